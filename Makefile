@@ -1,0 +1,32 @@
+# te_v2_executor: set-up, tests, the main job. `make help` lists the targets.
+# PY is the interpreter the targets run; `make install` makes it a fresh virtualenv. On a machine
+# whose Python already has torch, Thunder and TE (the GPU kit), pass PY=python3.
+VENV ?= .venv
+PY ?= $(VENV)/bin/python
+
+.PHONY: help install test test-gpu explain lint format
+
+help:
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
+
+install: ## create $(VENV) and install the package with its test and dev extras (add [te] on a GPU machine)
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e ".[test,dev]"
+
+test: ## the whole suite: CPU tests run, GPU tests are collected and skipped with a reason without CUDA+TE
+	$(PY) -m pytest -q -rs
+
+test-gpu: ## the GPU suite (needs CUDA and TransformerEngine); prints kernel counts and saved bytes
+	$(PY) -m pytest -q -rA -s -m gpu tests/gpu
+
+explain: ## the main job: compile a small frozen-base model, print per linear what runs and what is saved
+	$(PY) -m te_v2_executor
+
+lint: ## ruff check and format check
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+
+format: ## ruff fix and format
+	$(PY) -m ruff check --fix .
+	$(PY) -m ruff format .

@@ -1,0 +1,32 @@
+"""te_v2: Lightning Thunder linears in FP8 on TransformerEngine kernels, running only the GEMMs,
+FP8 copies and state updates the backward really consumes.
+
+    import thunder
+    from te_v2_executor import te_v2
+
+    jitted = thunder.jit(model, executors=[te_v2, *thunder.get_default_executors()])
+"""
+
+from te_v2_executor.backends import Backend
+from te_v2_executor.config import ClaimPolicy, TEv2Config
+from te_v2_executor.executor import TEv2Executor, TEv2FallbackWarning, make_te_v2, te_v2
+from te_v2_executor.explain import LinearReport, Report, explain
+from te_v2_executor.recipes import RecipeSpec, Scaling, block_scaling, current_scaling, delayed_scaling
+
+__all__ = [
+    "Backend",
+    "ClaimPolicy",
+    "LinearReport",
+    "RecipeSpec",
+    "Report",
+    "Scaling",
+    "TEv2Config",
+    "TEv2Executor",
+    "TEv2FallbackWarning",
+    "block_scaling",
+    "current_scaling",
+    "delayed_scaling",
+    "explain",
+    "make_te_v2",
+    "te_v2",
+]

@@ -1,0 +1,172 @@
+"""The backward-consumption analysis: a pass over the joint forward+backward trace, before fusion.
+
+Its signal is consumption, never ``requires_grad``: after Thunder's dead-code elimination, a
+dgrad, wgrad or bias grad exists in the joint trace only if a returned gradient needs it, through
+any chain of casts, views, checkpoints or collectives. From that the pass
+
+* rewrites each ``te_v2_linear_fwd`` to build the column-wise FP8 copy of x only when a wgrad
+  reads it, of W only when a dgrad reads it, and its output only when something reads it (a
+  recomputed forward under activation checkpointing may be needed for its copies alone);
+* rewrites each ``te_v2_quantize_grad_output`` to the usages its surviving GEMMs read, and to
+  compute the bias grad only when it is consumed;
+* inserts the once-per-pass flushes of delayed-scaling state: ``te_v2_forward_sync`` at the end
+  of the forward and ``te_v2_backward_sync`` after every gradient is produced.
+
+Trace in, trace out; symbols are recognised by identity.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from thunder.core import prims, utils
+from thunder.core.proxies import TensorProxy
+from thunder.core.pytree import tree_flatten, tree_map
+from thunder.core.symbol import BoundSymbol, BoundSymbolTag
+from thunder.core.trace import TraceCtx, from_trace, tracectx
+
+from te_v2_executor.state import LinearQuantState, SyncGroup
+from te_v2_executor.symbols import (
+    BACKWARD_SYNC,
+    FORWARD_SYNC,
+    LINEAR_DGRAD,
+    LINEAR_FWD,
+    LINEAR_WGRAD,
+    QUANTIZE_GRAD_OUTPUT,
+)
+
+
+def is_recompute(bsym: BoundSymbol) -> bool:
+    """A forward copy Thunder placed in the backward to recompute a checkpointed region."""
+    return bsym.sym is LINEAR_FWD and BoundSymbolTag.BACKWARD in bsym.tags
+
+
+def _with_flags(bsym: BoundSymbol, flags: dict[str, bool], always_kept: tuple = ()) -> BoundSymbol:
+    """``bsym`` with its flag kwargs set; its outputs, one per flag, dropped where False."""
+    outputs = bsym.output[: len(flags)]
+    kept = tuple(o if keep else None for o, keep in zip(outputs, flags.values(), strict=True))
+    return bsym.from_bsym(kwargs={**bsym.kwargs, **flags}, output=(*kept, *always_kept))
+
+
+def rewrite_for_consumption(trace: TraceCtx) -> TraceCtx:
+    """Make every te_v2 forward and dy quantization produce only what is consumed."""
+    consumers = utils.consumers(trace)
+
+    def readers(p: Any) -> list[BoundSymbol]:
+        return consumers.get(p, []) if isinstance(p, TensorProxy) else []
+
+    new_bsyms = []
+    for bsym in trace.bound_symbols:
+        if bsym.sym is LINEAR_FWD:
+            y, x_saved, w_saved, amax_ready = bsym.output
+            flags = {
+                "compute_output": bool(readers(y)),
+                "save_input": bool(readers(x_saved)),
+                "save_weight": bool(readers(w_saved)),
+            }
+            bsym = _with_flags(bsym, flags, always_kept=(amax_ready,))
+        elif bsym.sym is QUANTIZE_GRAD_OUTPUT:
+            dy_q, dbias = bsym.output
+            gemms = {r.sym for r in readers(dy_q)}
+            rowwise, columnwise = LINEAR_DGRAD in gemms, LINEAR_WGRAD in gemms
+            bsym = bsym.from_bsym(
+                kwargs={
+                    **bsym.kwargs,
+                    "rowwise": rowwise,
+                    "columnwise": columnwise,
+                    "bgrad": bool(readers(dbias)),
+                },
+                output=(dy_q if rowwise or columnwise else None, dbias if readers(dbias) else None),
+            )
+        new_bsyms.append(bsym)
+    new_trace = from_trace(trace)
+    new_trace.bound_symbols = new_bsyms
+    return new_trace
+
+
+def _delayed_states(trace: TraceCtx, sym: Any, *, recomputed: bool = False) -> tuple[LinearQuantState, ...]:
+    """The delayed-scaling states of the ``sym`` bound symbols of a trace: of the recomputed
+    forwards if ``recomputed``, else of the others."""
+    states: dict[int, LinearQuantState] = {}
+    for bsym in trace.bound_symbols:
+        if bsym.sym is sym and is_recompute(bsym) is recomputed and bsym.kwargs["state"].recipe.stateful:
+            states.setdefault(id(bsym.kwargs["state"]), bsym.kwargs["state"])
+    return tuple(states.values())
+
+
+def _insert_forward_sync(trace: TraceCtx, group: SyncGroup) -> TraceCtx:
+    """Put the forward sync at the end of the forward.
+
+    Thunder splits a joint trace after fusion and keeps in the forward only what produces a
+    forward output. So the sync passes one forward output through (``token``): the return, and the
+    cotangent read of that output, are redirected to the passed-through proxy. It also reads the
+    ``amax_ready`` marker of every te_v2 forward, so it runs after all of them without keeping
+    their outputs alive. Recomputed forwards read the scales it snapshots before updating.
+    """
+    bsyms = list(trace.bound_symbols)
+    ret = bsyms[-1]
+    key = "fw_flat_out" if "fw_flat_out" in ret.args[0] else "output"
+    outputs = ret.args[0][key]
+    flat_args = {a.name for a in ret.args[0]["flat_args"] if isinstance(a, TensorProxy)}
+    token = next(
+        (o for o in tree_flatten(outputs)[0] if isinstance(o, TensorProxy) and o.name not in flat_args),
+        None,
+    )
+    if token is None:
+        raise NotImplementedError(
+            "te_v2: delayed scaling flushes its state at the end of the forward by passing one "
+            "output tensor through, but this function returns no tensor it computes; return one, "
+            "or use a stateless recipe (Float8CurrentScaling, Float8BlockScaling)"
+        )
+    after = [b.output[-1] for b in bsyms if b.sym is LINEAR_FWD and not is_recompute(b)]
+    with tracectx(trace):
+        passed, replay = FORWARD_SYNC.meta(token, *after, group=group)
+    sync = FORWARD_SYNC.bind(token, *after, group=group, output=(passed, replay))
+    producers = utils.producers(trace)
+    position = 1 + max(bsyms.index(producers[p]) for p in (token, *after))
+    rows = {id(s): i for i, s in enumerate(group.replayed)}
+
+    def redirect(b: BoundSymbol) -> BoundSymbol:
+        if b.sym is prims.get_grad and b.args[0] is token:
+            return b.from_bsym(args=(passed,))
+        if is_recompute(b) and id(b.kwargs["state"]) in rows:
+            return b.from_bsym(
+                kwargs={**b.kwargs, "replay": replay, "replay_row": rows[id(b.kwargs["state"])]}
+            )
+        return b
+
+    swapped = {
+        k: tree_map(lambda o: passed if o is token else o, v)
+        for k, v in ret.args[0].items()
+        if k in (key, "flat_output")
+    }
+    new_ret = ret.from_bsym(args=({**ret.args[0], **swapped},))
+    body = [redirect(b) for b in bsyms[:-1]]
+    return _with_bsyms(trace, [*body[:position], sync, *body[position:], new_ret])
+
+
+def _with_bsyms(trace: TraceCtx, bsyms: list[BoundSymbol]) -> TraceCtx:
+    new_trace = from_trace(trace)
+    new_trace.bound_symbols = bsyms
+    return new_trace
+
+
+def insert_syncs(trace: TraceCtx, *, grad_enabled: bool) -> TraceCtx:
+    """Insert the delayed-scaling flushes, if the trace has delayed-scaling linears.
+
+    Like ``te.autocast``, forward state is updated only when grad mode is on, and backward state
+    after each backward. A joint trace that returns no gradient (Thunder builds one under
+    ``torch.no_grad()`` when parameters require grad) is an inference trace.
+    """
+    ret = trace.bound_symbols[-1]
+    joint = "fw_flat_out" in ret.args[0]
+    grads = [g for g in ret.args[0]["output"] if isinstance(g, TensorProxy)] if joint else []
+    forward_states = _delayed_states(trace, LINEAR_FWD)
+    if forward_states and (grads or (grad_enabled and not joint)):
+        replayed = _delayed_states(trace, LINEAR_FWD, recomputed=True)
+        trace = _insert_forward_sync(trace, SyncGroup(forward_states, forward=True, replayed=replayed))
+    backward_states = _delayed_states(trace, QUANTIZE_GRAD_OUTPUT)
+    if grads and backward_states:
+        sync = BACKWARD_SYNC.bind(*grads, group=SyncGroup(backward_states, forward=False), output=None)
+        trace = _with_bsyms(trace, [*trace.bound_symbols[:-1], sync, trace.bound_symbols[-1]])
+    return trace

@@ -1,0 +1,108 @@
+"""Pure predicates: can te_v2 run this linear, and if not, which rule says no.
+
+Each check returns the empty string when the linear passes, or the rule it breaks, phrased so a
+fallback warning can quote it. Nothing here reads global state or warns.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from te_v2_executor.backends import Backend
+from te_v2_executor.config import ClaimPolicy
+from te_v2_executor.recipes import RecipeSpec, Scaling
+
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+# Divisor every GEMM dimension (tokens, in-features, out-features) must have, per scaling mode.
+# Per-tensor FP8 on Hopper needs 16 for all three GEMMs (TE's own check_dim_for_fp8_exec looks at
+# the forward only); block scaling quantizes in 128-wide blocks along both dimensions.
+SHAPE_DIVISOR = {
+    Scaling.DELAYED: 16,
+    Scaling.CURRENT: 16,
+    Scaling.BLOCK: 128,
+    Scaling.MXFP8: 32,
+    Scaling.NVFP4: 128,
+}
+BLACKWELL_ONLY = (Scaling.MXFP8, Scaling.NVFP4)
+
+
+@dataclass(frozen=True)
+class LinearOperands:
+    """The facts of one linear call the checks look at."""
+
+    x_shape: tuple[int, ...]
+    w_shape: tuple[int, ...]
+    bias_shape: tuple[int, ...] | None
+    dtypes: tuple[torch.dtype, ...]  # x, w[, bias]
+    device_type: str  # "cuda", "cpu", ...
+    compute_capability: tuple[int, int] | None  # of the CUDA device, None elsewhere
+
+    @property
+    def tokens(self) -> int:
+        return math.prod(self.x_shape[:-1])
+
+    def describe(self) -> str:
+        dtype = str(self.dtypes[0]).removeprefix("torch.")
+        bias = "" if self.bias_shape is None else " with bias"
+        return f"x{list(self.x_shape)} @ W{list(self.w_shape)}^T{bias} ({dtype}, {self.device_type})"
+
+
+def _check_device(op: LinearOperands, backend: Backend) -> str:
+    if backend is Backend.TE and op.device_type != "cuda":
+        return f"TransformerEngine runs on CUDA tensors only (got {op.device_type})"
+    return ""
+
+
+def _check_dtypes(op: LinearOperands) -> str:
+    if op.dtypes[0] not in SUPPORTED_DTYPES:
+        return f"FP8 linears take float32, bfloat16 or float16 inputs (got {op.dtypes[0]})"
+    if any(d != op.dtypes[0] for d in op.dtypes):
+        return f"input, weight and bias must share one dtype (got {', '.join(map(str, op.dtypes))})"
+    return ""
+
+
+def _check_recipe(op: LinearOperands, recipe: RecipeSpec, backend: Backend) -> str:
+    if recipe.unsupported:
+        return recipe.unsupported
+    if recipe.scaling in BLACKWELL_ONLY:
+        if backend is Backend.REFERENCE:
+            return f"the reference backend does not emulate {recipe.scaling.value}"
+        if op.compute_capability is not None and op.compute_capability < (10, 0):
+            return f"{recipe.scaling.value} recipes need a Blackwell GPU (sm_100+), this one is sm_{op.compute_capability[0]}{op.compute_capability[1]}"
+    return ""
+
+
+def _check_shapes(op: LinearOperands, recipe: RecipeSpec) -> str:
+    if len(op.w_shape) != 2 or len(op.x_shape) < 2:
+        return "te_v2 takes a 2-D weight and an input of shape (*, in_features) with at least one leading dim"
+    divisor = SHAPE_DIVISOR[recipe.scaling]
+    dims = {"tokens": op.tokens, "in_features": op.w_shape[1], "out_features": op.w_shape[0]}
+    bad = [f"{name}={value}" for name, value in dims.items() if value % divisor]
+    if bad:
+        return f"{recipe.scaling.value}-scaled FP8 GEMMs need tokens, in_features and out_features divisible by {divisor} ({', '.join(bad)})"
+    return ""
+
+
+def _check_policy(op: LinearOperands, policy: ClaimPolicy) -> str:
+    smallest = min(op.w_shape)
+    if smallest < policy.min_features:
+        return f"claim policy: min(in_features, out_features)={smallest} is below min_features={policy.min_features}, too small to gain from FP8"
+    return ""
+
+
+def linear_rule_broken(op: LinearOperands, recipe: RecipeSpec, backend: Backend, policy: ClaimPolicy) -> str:
+    """The first rule ``op`` breaks for te_v2 with ``recipe`` on ``backend``, or "" if none."""
+    for reason in (
+        _check_device(op, backend),
+        _check_dtypes(op),
+        _check_recipe(op, recipe, backend),
+        _check_shapes(op, recipe),
+        _check_policy(op, policy),
+    ):
+        if reason:
+            return reason
+    return ""

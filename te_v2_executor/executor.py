@@ -1,0 +1,98 @@
+"""The te_v2 executor object users pass to ``thunder.jit``.
+
+A ``FusionExecutor`` that fuses nothing: Thunder calls each fusion executor's ``fusion_pass`` on
+the joint forward+backward trace before it splits it, which is the one place the whole backward
+can be seen before any fusion. Listed ahead of nvFuser or torch.compile, te_v2's pass runs first.
+"""
+
+from __future__ import annotations
+
+import itertools
+import warnings
+from typing import Any
+
+from thunder.core.compile_data import get_compile_data
+from thunder.core.trace import TraceCtx, TraceProvenance
+from thunder.executors import torchex
+from thunder.extend import FusionExecutor
+
+from te_v2_executor import analysis, explain
+from te_v2_executor.backends import Backend
+from te_v2_executor.config import ClaimPolicy, TEv2Config
+from te_v2_executor.lowering import LINEAR_IDS, LinearLowering, operands
+from te_v2_executor.recipes import RecipeSpec
+from te_v2_executor.state import registry_for
+
+
+class TEv2FallbackWarning(UserWarning):
+    """A linear te_v2 cannot run stays on Thunder's default path."""
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        warnings.warn(message, TEv2FallbackWarning, stacklevel=2)
+
+
+def _is_unclaimed_linear(bsym: Any) -> bool:
+    return bsym.sym.id in LINEAR_IDS or bsym.sym is torchex.linear
+
+
+class TEv2Executor(FusionExecutor):
+    """Claims Thunder's linears and lowers them to FP8 GEMMs, running only the gradients the
+    backward consumes. Use it first: ``thunder.jit(model, executors=[te_v2, ...])``."""
+
+    def __init__(self, config: TEv2Config | None = None, *, name: str = "te_v2") -> None:
+        super().__init__(name)
+        self.config = config or TEv2Config()
+        self.lowering = LinearLowering(self, self.config)
+        self.lowering.register()
+
+    def get_fuel(self, amount: int = 1, /) -> bool:
+        return True
+
+    def set_fuel(self, value: Any) -> None:
+        """te_v2 makes no fusions, so there is no fuel to limit."""
+
+    def fusion_pass(self, trace: TraceCtx) -> TraceCtx:
+        """Analyse the joint trace: trim forwards and dy quantizations to what the backward
+        consumes, insert the state flushes, report fallbacks once, and record the report."""
+        compile_data = get_compile_data()
+        fallbacks = []
+        for bsym in trace.bound_symbols:
+            if _is_unclaimed_linear(bsym):
+                rule = self.lowering.rule_broken(*bsym.args, **bsym.kwargs) or "another executor claimed it"
+                fallbacks.append((bsym, rule))
+                desc = operands(*bsym.args, **bsym.kwargs).describe()
+                _warn_once(f"te_v2: linear {desc} runs on Thunder's default path: {rule}")
+        new_trace = analysis.rewrite_for_consumption(trace)
+        grad_enabled = compile_data.is_grad_enabled if compile_data is not None else True
+        new_trace = analysis.insert_syncs(new_trace, grad_enabled=grad_enabled)
+        new_trace.set_provenance(TraceProvenance("te_v2 backward-consumption analysis"))
+        registry_for(compile_data).report = explain.report_from_trace(
+            new_trace, fallbacks, lambda x, w, bias: operands(x, w, bias).describe()
+        )
+        return new_trace
+
+
+te_v2 = TEv2Executor()
+
+_names = itertools.count(1)
+
+
+def make_te_v2(
+    *,
+    backend: Backend | str = Backend.TE,
+    recipe: RecipeSpec | None = None,
+    claim: ClaimPolicy | None = None,
+) -> TEv2Executor:
+    """A te_v2 executor with its own settings (see ``TEv2Config``).
+
+    ``backend="reference"`` runs the te_v2 symbols in plain torch on any device (CPU included);
+    ``recipe`` pins a recipe instead of following ``te.autocast``.
+    """
+    config = TEv2Config(backend=Backend(backend), recipe=recipe, claim=claim or ClaimPolicy())
+    return TEv2Executor(config, name=f"te_v2_{config.backend.value}_{next(_names)}")

@@ -1,0 +1,153 @@
+"""The per-linear report: which gradients run and which FP8 copies the forward saves.
+
+Built from the trace the analysis returns (the joint forward+backward trace before fusion), so
+it states what will execute, not what was intended.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import thunder
+from thunder.core import utils
+from thunder.core.proxies import TensorProxy
+from thunder.core.trace import TraceCtx
+
+from te_v2_executor.analysis import is_recompute
+from te_v2_executor.state import registry_for
+from te_v2_executor.symbols import LINEAR_DGRAD, LINEAR_FWD, LINEAR_WGRAD, QUANTIZE_GRAD_OUTPUT
+
+
+@dataclass(frozen=True)
+class LinearReport:
+    """One linear call site of a compiled function."""
+
+    name: str  # the weight, as the trace names its source parameter
+    operation: str  # shapes, dtype and device
+    recipe: str  # "delayed", "current", "block", ... or "" when not claimed
+    fallback: str = ""  # the rule that kept it on Thunder's default path, "" when te_v2 runs it
+    saves_input_t: bool = False  # forward keeps the column-wise FP8 copy of x (for wgrad)
+    saves_weight_t: bool = False  # forward keeps the column-wise FP8 copy of W (for dgrad)
+    dgrad: bool = False
+    wgrad: bool = False
+    bgrad: bool = False
+    recomputed: bool = False  # recomputed in the backward (activation checkpointing)
+
+    @property
+    def claimed(self) -> bool:
+        return not self.fallback
+
+
+@dataclass(frozen=True)
+class Report:
+    """All linears of one trace, in trace order."""
+
+    linears: tuple[LinearReport, ...]
+
+    def __str__(self) -> str:
+        def mark(flag: bool) -> str:
+            return "yes" if flag else "-"
+
+        rows = [("linear", "recipe", "dgrad", "wgrad", "bgrad", "saves x^T", "saves W^T", "recomputed")]
+        notes = []
+        for r in self.linears:
+            if r.claimed:
+                rows.append(
+                    (
+                        r.name,
+                        r.recipe,
+                        *(
+                            mark(f)
+                            for f in (
+                                r.dgrad,
+                                r.wgrad,
+                                r.bgrad,
+                                r.saves_input_t,
+                                r.saves_weight_t,
+                                r.recomputed,
+                            )
+                        ),
+                    )
+                )
+            else:
+                rows.append((r.name, "fallback", *("n/a",) * 6))
+                notes.append(f"  {r.name}: {r.operation} runs on Thunder's default path: {r.fallback}")
+        widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+        lines = [
+            "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows
+        ]
+        lines.insert(1, "  ".join("-" * w for w in widths))
+        return "\n".join(lines + notes)
+
+
+def source_name(trace: TraceCtx, p: TensorProxy) -> str:
+    """The name of the trace input ``p`` derives from through single-input ops (casts, views)."""
+    producers = utils.producers(trace)
+    while p in producers:
+        inputs = producers[p].flat_proxy_args
+        if len(inputs) != 1:
+            break
+        p = inputs[0]
+    return p.name.removeprefix("t_")
+
+
+def _claimed_linears(trace: TraceCtx) -> dict[int, dict[str, Any]]:
+    sites: dict[int, dict[str, Any]] = {}
+    for bsym in trace.bound_symbols:
+        if bsym.sym not in (LINEAR_FWD, QUANTIZE_GRAD_OUTPUT, LINEAR_DGRAD, LINEAR_WGRAD):
+            continue
+        state = bsym.kwargs["state"]
+        site = sites.setdefault(id(state), {"state": state})
+        if bsym.sym is LINEAR_FWD:
+            if is_recompute(bsym):
+                site["recomputed"] = True
+            else:
+                x, w = bsym.args[:2]
+                site.update(
+                    x=x,
+                    w=w,
+                    saves_input_t=bsym.kwargs["save_input"],
+                    saves_weight_t=bsym.kwargs["save_weight"],
+                )
+        elif bsym.sym is QUANTIZE_GRAD_OUTPUT:
+            site["bgrad"] = bsym.kwargs["bgrad"]
+        else:
+            site["dgrad" if bsym.sym is LINEAR_DGRAD else "wgrad"] = True
+    return sites
+
+
+def report_from_trace(trace: TraceCtx, fallbacks: list[tuple[Any, str]], describe: Any) -> Report:
+    """The report of an analysed trace; ``fallbacks`` are (linear bound symbol, rule) pairs and
+    ``describe(x, w, bias)`` phrases a linear's operands."""
+    rows = []
+    for site in _claimed_linears(trace).values():
+        x, w = site.pop("x"), site.pop("w")
+        state = site.pop("state")
+        rows.append(
+            LinearReport(
+                name=source_name(trace, w),
+                operation=describe(x, w, None),
+                recipe=state.recipe.scaling.value,
+                **site,
+            )
+        )
+    for bsym, rule in fallbacks:
+        x, w, *bias = bsym.args
+        rows.append(
+            LinearReport(
+                name=source_name(trace, w),
+                operation=describe(x, w, bias[0] if bias else bsym.kwargs.get("bias")),
+                recipe="",
+                fallback=rule,
+            )
+        )
+    return Report(tuple(rows))
+
+
+def explain(fn: Any) -> Report:
+    """The report of the last trace te_v2 analysed for a ``thunder.jit`` callable."""
+    report = registry_for(thunder.compile_data(fn)).report
+    if report is None:
+        raise ValueError("te_v2: no trace analysed yet for this function; call it once first")
+    return report

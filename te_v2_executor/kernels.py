@@ -1,0 +1,229 @@
+"""The te_v2 kernels on TransformerEngine: quantizers, FP8 GEMMs and the fused scale update.
+
+Same functions and signatures as ``reference.py``; TE calls only, no Thunder. Forward and
+backward are plain functions whose flags say which copy or GEMM to build, after TE's
+``BasicLinear._functional_forward``/``_functional_backward``, but with dgrad and wgrad separate.
+
+Hopper rule kept here, not in the analysis: per-tensor FP8 cannot quantize column-wise only
+("Columnwise-only per-tensor FP8 quantization is not implemented"), and the fused bias-grad
+quantization needs both usages, so the row-wise copy is always built.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+import transformer_engine.pytorch  # noqa: F401  (loads TE's extension before the imports below)
+import transformer_engine_torch as tex
+from transformer_engine.common import recipe as te_recipes
+from transformer_engine.pytorch.cpp_extensions import general_gemm
+from transformer_engine.pytorch.module.base import _2X_ACC_DGRAD, _2X_ACC_FPROP, _2X_ACC_WGRAD
+from transformer_engine.pytorch.quantization import FP8GlobalStateManager, RecipeState, get_fp8_te_dtype
+from transformer_engine.pytorch.tensor.float8_tensor import Float8Quantizer
+
+from te_v2_executor.recipes import RecipeSpec, Scaling
+
+_DEFAULT_SPLIT_ACCUMULATOR = {"fprop": _2X_ACC_FPROP, "dgrad": _2X_ACC_DGRAD, "wgrad": _2X_ACC_WGRAD}
+
+
+@functools.cache
+def _te_recipe_for(spec: RecipeSpec) -> Any:
+    fmt = te_recipes.Format[spec.fp8_format]
+    if spec.scaling is Scaling.DELAYED:
+        return te_recipes.DelayedScaling(
+            margin=spec.margin,
+            fp8_format=fmt,
+            amax_history_len=spec.amax_history_len,
+            amax_compute_algo=spec.amax_compute_algo,
+            reduce_amax=spec.reduce_amax,
+        )
+    if spec.scaling is Scaling.CURRENT:
+        made = te_recipes.Float8CurrentScaling(fp8_format=fmt)
+    elif spec.scaling is Scaling.BLOCK:
+        made = te_recipes.Float8BlockScaling(fp8_format=fmt)
+    else:
+        raise ValueError(f"te_v2: no TransformerEngine recipe for {spec}")
+    # per-role quantization parameters are class attributes, not constructor fields
+    qparams = te_recipes.QParams(power_2_scale=spec.power_2_scale, amax_epsilon=spec.amax_epsilon)
+    for role in ("fp8_quant_fwd_inp", "fp8_quant_fwd_weight", "fp8_quant_bwd_grad"):
+        setattr(made, role, qparams)
+    return made
+
+
+def te_recipe(spec: RecipeSpec) -> Any:
+    """The TE recipe object of ``spec``: the user's own when it came from ``te.autocast``."""
+    return spec.te_recipe if spec.te_recipe is not None else _te_recipe_for(spec)
+
+
+def _split_accumulator(recipe: RecipeSpec, gemm: str) -> bool:
+    """As ``te.Linear`` chooses: the recipe's per-GEMM setting, else TE's default."""
+    params = getattr(te_recipe(recipe), f"fp8_gemm_{gemm}", None)
+    return params.use_split_accumulator if params is not None else _DEFAULT_SPLIT_ACCUMULATOR[gemm]
+
+
+def _configure(quantizers: list[Any], recipe: RecipeSpec, *, forward: bool) -> None:
+    """Quantizer settings ``te.Linear`` applies: forward copies are saved for backward, so they
+    must be torch.Tensor subclasses (not TE's internal storage); dy stays internal."""
+    for q in quantizers:
+        q.internal = not forward
+    te = te_recipe(recipe)
+    if recipe.scaling is Scaling.CURRENT:
+        roles = ("fp8_quant_fwd_inp", "fp8_quant_fwd_weight") if forward else ("fp8_quant_bwd_grad",)
+        for q, role in zip(quantizers, roles, strict=True):
+            q.force_pow_2_scales = getattr(te, role).power_2_scale
+            q.amax_epsilon = getattr(te, role).amax_epsilon
+
+
+class ScalingState:
+    """TE's recipe state and quantizers for one direction of one linear: forward (x, W) or
+    backward (dy). Delayed scaling exposes ``amax_history`` and ``scale``; others have None."""
+
+    def __init__(self, recipe: RecipeSpec, *, forward: bool, device: torch.device) -> None:
+        self.recipe = recipe
+        recipe_state = RecipeState.create(
+            te_recipe(recipe),
+            mode="forward" if forward else "backward",
+            num_quantizers=2 if forward else 1,
+            device=device,
+        )
+        self.amax_history = getattr(recipe_state, "amax_history", None)
+        self.scale = getattr(recipe_state, "scale", None)
+        self.quantizers = recipe_state.make_quantizers()
+        _configure(self.quantizers, recipe, forward=forward)
+
+    @classmethod
+    def replaying(cls, recipe: RecipeSpec, scale: torch.Tensor) -> ScalingState:
+        """A forward state quantizing with ``scale`` (input, weight) whose amaxes go nowhere."""
+        state = cls.__new__(cls)
+        state.recipe = recipe
+        state.scale = scale
+        state.amax_history = torch.zeros(1, 2, dtype=torch.float32, device=scale.device)
+        dtype = get_fp8_te_dtype(te_recipe(recipe), True)
+        state.quantizers = [
+            Float8Quantizer(scale[i], state.amax_history[0][i].reshape((1,)), dtype) for i in range(2)
+        ]
+        _configure(state.quantizers, recipe, forward=True)
+        return state
+
+
+def _keep_columnwise_only(q: Any) -> Any:
+    q.update_usage(rowwise_usage=False, columnwise_usage=True)
+    return q
+
+
+def linear_fwd(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    bias: torch.Tensor | None,
+    scaling: ScalingState,
+    *,
+    compute_output: bool,
+    save_input: bool,
+    save_weight: bool,
+) -> tuple[torch.Tensor | None, Any, Any]:
+    """Forward GEMM y = x W^T + b, and the column-wise FP8 copies the backward needs.
+
+    ``compute_output`` False (a recomputed forward whose y nobody reads) only quantizes.
+    """
+    input_quantizer, weight_quantizer = scaling.quantizers
+    input_quantizer.set_usage(rowwise=True, columnwise=save_input)
+    xq = input_quantizer(x.reshape(-1, x.shape[-1]))
+    wq = None
+    if compute_output or save_weight:
+        weight_quantizer.set_usage(rowwise=True, columnwise=save_weight)
+        wq = weight_quantizer(w)
+    y = None
+    if compute_output:
+        if bias is not None and x.dtype == torch.float32:
+            bias = bias.to(torch.bfloat16)  # cuBLAS FP8 GEMMs take no float32 bias (as te.Linear)
+        y, *_ = general_gemm(
+            wq,
+            xq,
+            out_dtype=x.dtype,
+            bias=bias,
+            use_split_accumulator=_split_accumulator(scaling.recipe, "fprop"),
+        )
+        y = y.view(*x.shape[:-1], w.shape[0])
+    return (
+        y,
+        _keep_columnwise_only(xq) if save_input else None,
+        _keep_columnwise_only(wq) if save_weight else None,
+    )
+
+
+def quantize_grad_output(
+    dy: torch.Tensor, scaling: ScalingState, *, rowwise: bool, columnwise: bool, bgrad: bool
+) -> tuple[Any, torch.Tensor | None]:
+    """Quantize dy once for dgrad (row-wise) and wgrad (column-wise); bias grad alongside, fused
+    into the quantization where TE has that kernel."""
+    dy2d = dy.reshape(-1, dy.shape[-1])
+    if not (rowwise or columnwise):
+        return None, dy2d.sum(0)
+    (quantizer,) = scaling.quantizers
+    quantizer.set_usage(rowwise=True, columnwise=columnwise)
+    if bgrad and columnwise and scaling.recipe.per_tensor:
+        dbias, dy_q = tex.bgrad_quantize(dy2d, quantizer)
+        return dy_q, dbias
+    return quantizer(dy2d), dy2d.sum(0) if bgrad else None
+
+
+def linear_dgrad(
+    dy_q: Any, w_saved: Any, recipe: RecipeSpec, *, input_shape: tuple[int, ...], dtype: torch.dtype
+) -> torch.Tensor:
+    """dx = dy W, from row-wise dy and the column-wise W (TE's "NN" layout)."""
+    dx, *_ = general_gemm(
+        w_saved,
+        dy_q,
+        out_dtype=dtype,
+        layout="NN",
+        grad=True,
+        use_split_accumulator=_split_accumulator(recipe, "dgrad"),
+    )
+    return dx.view(input_shape)
+
+
+def linear_wgrad(dy_q: Any, x_saved: Any, recipe: RecipeSpec, *, dtype: torch.dtype) -> torch.Tensor:
+    """dW = dy^T x, from the column-wise dy and x (TE's "NT" layout)."""
+    dw, *_ = general_gemm(
+        x_saved,
+        dy_q,
+        out_dtype=dtype,
+        layout="NT",
+        grad=True,
+        use_split_accumulator=_split_accumulator(recipe, "wgrad"),
+    )
+    return dw
+
+
+def update_delayed_scaling(
+    amax: torch.Tensor,
+    histories: list[torch.Tensor],
+    scales: list[torch.Tensor],
+    recipe: RecipeSpec,
+    *,
+    forward: bool,
+) -> None:
+    """One fused amax-history and scale update for every state (TE's own kernel, as
+    ``FP8GlobalStateManager.reduce_and_update_fp8_tensors`` uses it)."""
+    tex.fused_amax_and_scale_update_after_reduction(
+        amax,
+        histories,
+        scales,
+        recipe.amax_compute_algo,
+        get_fp8_te_dtype(te_recipe(recipe), forward),
+        recipe.margin,
+    )
+
+
+def amax_group() -> Any:
+    """The amax reduction group given to the enclosing ``te.autocast`` (None: the default)."""
+    return FP8GlobalStateManager.get_fp8_group()
+
+
+def autocast_recipe() -> Any:
+    """The recipe of the enclosing ``te.autocast`` when FP8 is enabled there, else None."""
+    if FP8GlobalStateManager.is_fp8_enabled():
+        return FP8GlobalStateManager.get_fp8_recipe()
+    return None

@@ -1,0 +1,142 @@
+"""How te_v2 claims a linear: the checker, the execution and grad transforms, the lookaside.
+
+The grad transform emits the full backward (dy quantized once, dgrad, wgrad, bias grad) and a
+forward that saves every FP8 copy; Thunder's dead-code elimination then drops the gradients
+nobody consumes, and the analysis (``analysis.py``) trims the forward to what survives.
+"""
+
+from __future__ import annotations
+
+import thunder.torch as ltorch
+import torch
+from thunder.core import dtypes, prims
+from thunder.core.compile_data import get_compile_data
+from thunder.core.jit_ext import get_jit_ctx
+from thunder.core.prims import get_grad, put_grad
+from thunder.core.proxies import TensorProxy
+from thunder.extend import Executor
+
+from te_v2_executor import backends, checks
+from te_v2_executor.config import TEv2Config
+from te_v2_executor.recipes import active_recipe
+from te_v2_executor.state import LinearQuantState, registry_for
+from te_v2_executor.symbols import (
+    CHECK_RECIPE,
+    LINEAR_DGRAD,
+    LINEAR_FWD,
+    LINEAR_WGRAD,
+    QUANTIZE_GRAD_OUTPUT,
+)
+
+# Thunder reaches a linear as ltorch.linear (nn.Linear, F.linear) or prims.linear (after
+# autocast and other decompositions); claiming only one lets the other bypass te_v2.
+LINEAR_IDS = (ltorch.linear.id, prims.linear.id)
+
+
+def _torch_dtype(t: TensorProxy) -> torch.dtype:
+    return dtypes.to_torch_dtype(t.dtype)
+
+
+def operands(x: TensorProxy, w: TensorProxy, bias: TensorProxy | None) -> checks.LinearOperands:
+    """The facts of a traced linear the checks need."""
+    device = x.device.devicetype.name.lower()
+    capability = None
+    if device == "cuda" and torch.cuda.is_available():
+        capability = torch.cuda.get_device_capability(x.device.index or 0)
+    return checks.LinearOperands(
+        x_shape=tuple(x.shape),
+        w_shape=tuple(w.shape),
+        bias_shape=None if bias is None else tuple(bias.shape),
+        dtypes=tuple(_torch_dtype(t) for t in (x, w, bias) if t is not None),
+        device_type=device,
+        compute_capability=capability,
+    )
+
+
+class RecipeGuard:
+    """Tells, in a compiled function's prologue, whether ``te.autocast``'s recipe is still the
+    one its trace was made with; a mismatch makes Thunder retrace instead of reusing it."""
+
+    def current_signature(self) -> str:
+        return repr(backends.autocast_recipe())
+
+
+class LinearLowering:
+    """The checker, transforms and lookaside of one te_v2 executor."""
+
+    def __init__(self, executor: Executor, config: TEv2Config) -> None:
+        self.executor = executor
+        self.config = config
+        self.guard = RecipeGuard()
+
+    def rule_broken(self, x: TensorProxy, w: TensorProxy, bias: TensorProxy | None = None) -> str:
+        """The rule that keeps this linear off te_v2, or "" when te_v2 can run it."""
+        recipe = active_recipe(self.config.recipe)
+        return checks.linear_rule_broken(operands(x, w, bias), recipe, self.config.backend, self.config.claim)
+
+    def checker(self, x: TensorProxy, w: TensorProxy, bias: TensorProxy | None = None) -> bool:
+        return not self.rule_broken(x, w, bias)
+
+    def _state(self, x: TensorProxy, w: TensorProxy) -> LinearQuantState:
+        registry = registry_for(get_compile_data())
+        return registry.state(
+            (x.name, w.name), w.name, active_recipe(self.config.recipe), self.config.backend
+        )
+
+    def execution_transform(
+        self, x: TensorProxy, w: TensorProxy, bias: TensorProxy | None = None
+    ) -> TensorProxy:
+        """Inference: the forward GEMM alone, no FP8 copies kept."""
+        y, *_ = LINEAR_FWD(
+            x, w, bias, state=self._state(x, w), compute_output=True, save_input=False, save_weight=False
+        )
+        return y
+
+    def grad_transform(self, x: TensorProxy, w: TensorProxy, bias: TensorProxy | None = None) -> TensorProxy:
+        """Training: forward, then every gradient; unconsumed ones are removed downstream."""
+        state = self._state(x, w)
+        y, x_saved, w_saved, _ = LINEAR_FWD(
+            x, w, bias, state=state, compute_output=True, save_input=True, save_weight=True
+        )
+        dy_q, dbias = QUANTIZE_GRAD_OUTPUT(
+            get_grad(y), state=state, rowwise=True, columnwise=True, bgrad=bias is not None
+        )
+        put_grad(
+            x, LINEAR_DGRAD(dy_q, w_saved, state=state, input_shape=tuple(x.shape), dtype=_torch_dtype(x))
+        )
+        put_grad(w, LINEAR_WGRAD(dy_q, x_saved, state=state, dtype=_torch_dtype(w)))
+        if bias is not None:
+            put_grad(bias, dbias)
+        return y
+
+    def _check_executor_order(self) -> None:
+        compile_data = get_compile_data()
+        if compile_data is None:
+            return
+        for ex in compile_data.executors_list:
+            if ex == self.executor:
+                return
+            if any(i in ex.implmap for i in LINEAR_IDS):
+                raise ValueError(
+                    f"te_v2: executor {ex.name!r} comes before {self.executor.name!r} in executors=[...] "
+                    f"and claims linear first, so te_v2 would never run; list {self.executor.name!r} first, "
+                    f"e.g. executors=[te_v2, *thunder.get_default_executors()]"
+                )
+
+    def lookaside(self, x, w, bias=None):
+        """Runs when Thunder traces ``F.linear``: checks the setup and guards the recipe."""
+        self._check_executor_order()
+        backends.kernels(self.config.backend)  # a missing TransformerEngine fails here, by name
+        if self.config.recipe is None and backends.te_available():
+            get_jit_ctx().add_constraint((CHECK_RECIPE, self.guard, self.guard.current_signature()))
+        return ltorch.linear(x, w, bias)
+
+    def register(self) -> None:
+        for sym_id in LINEAR_IDS:
+            self.executor.register_supported(
+                sym_id,
+                self.checker,
+                execution_transform=self.execution_transform,
+                grad_transform=self.grad_transform,
+            )
+        self.executor._lookasides[torch.nn.functional.linear] = self.lookaside

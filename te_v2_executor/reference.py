@@ -1,0 +1,254 @@
+"""The te_v2 kernels in plain torch: FP8 emulated through torch's float8 dtypes.
+
+Same functions and signatures as ``kernels.py`` (the TransformerEngine backend), on any device.
+Quantization follows TE's rules (per-tensor delayed or current scales, 1x128 / 128x128 blocks),
+and each GEMM reads only the copy it needs: the forward reads row-wise x and W, dgrad row-wise
+dy and the column-wise (transposed) W, wgrad the column-wise dy and x. A copy the analysis did
+not ask for is absent, so a missing one fails loudly here on the CPU instead of in a GPU kernel.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from te_v2_executor.recipes import RecipeSpec
+
+BLOCK = 128
+_FP32_MAX = torch.finfo(torch.float32).max
+
+
+@dataclass
+class Plane:
+    """One FP8 copy of a 2-D tensor: data, and the inverse scales of its blocks."""
+
+    data: torch.Tensor  # float8, (rows, cols)
+    scale_inv: torch.Tensor  # float32, (ceil(rows / block[0]), ceil(cols / block[1]))
+    block: tuple[int, int]
+
+    def dequantize(self) -> torch.Tensor:
+        rows, cols = self.data.shape
+        s = self.scale_inv.repeat_interleave(self.block[0], 0)[:rows]
+        s = s.repeat_interleave(self.block[1], 1)[:, :cols]
+        return self.data.float() * s
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.nbytes + self.scale_inv.nbytes
+
+
+class ReferenceQuantizedTensor(torch.Tensor):
+    """An FP8 operand: a row-wise copy, a column-wise (transposed) copy, or both.
+
+    A torch.Tensor subclass (an empty carrier) so autograd can save it for backward like TE's
+    Float8Tensor; the copies live in attributes.
+    """
+
+    rowwise: Plane | None
+    columnwise: Plane | None
+
+    @staticmethod
+    def wrap(
+        rowwise: Plane | None, columnwise: Plane | None, device: torch.device
+    ) -> ReferenceQuantizedTensor:
+        carrier = torch.Tensor._make_subclass(ReferenceQuantizedTensor, torch.empty(0, device=device))
+        carrier.rowwise, carrier.columnwise = rowwise, columnwise
+        return carrier
+
+    def plane(self, usage: str) -> Plane:
+        found = getattr(self, usage)
+        if found is None:
+            raise RuntimeError(f"te_v2 reference: the {usage} FP8 copy this GEMM reads was not built")
+        return found
+
+    def keep_columnwise_only(self) -> ReferenceQuantizedTensor:
+        self.rowwise = None
+        return self
+
+    @property
+    def quantized_nbytes(self) -> int:
+        return sum(p.nbytes for p in (self.rowwise, self.columnwise) if p is not None)
+
+
+class ScalingState:
+    """Scaling state of one direction of one linear: forward (x, W) or backward (dy).
+
+    Delayed scaling keeps ``amax_history`` (history_len, n) and ``scale`` (n,) as TE does; the
+    other recipes are stateless.
+    """
+
+    def __init__(self, recipe: RecipeSpec, *, forward: bool, device: torch.device) -> None:
+        self.recipe = recipe
+        self.forward = forward
+        n = 2 if forward else 1
+        self.amax_history = self.scale = None
+        if recipe.stateful:
+            self.scale = torch.ones(n, dtype=torch.float32, device=device)
+            self.amax_history = torch.zeros(recipe.amax_history_len, n, dtype=torch.float32, device=device)
+
+    @classmethod
+    def replaying(cls, recipe: RecipeSpec, scale: torch.Tensor) -> ScalingState:
+        """A forward state quantizing with ``scale`` (input, weight) whose amaxes go nowhere."""
+        state = cls(recipe, forward=True, device=scale.device)
+        state.scale = scale
+        state.amax_history = torch.zeros(1, 2, dtype=torch.float32, device=scale.device)
+        return state
+
+
+def _scale_from_amax(amax: torch.Tensor, fp8_max: float, recipe: RecipeSpec) -> torch.Tensor:
+    amax = amax.float().clamp(min=recipe.amax_epsilon)
+    scale = torch.where(amax > 0, fp8_max / amax, torch.ones_like(amax))
+    scale = torch.where(torch.isinf(scale), torch.full_like(scale, _FP32_MAX), scale)
+    if recipe.power_2_scale:
+        scale = torch.exp2(torch.floor(torch.log2(scale)))
+    return scale
+
+
+def _block_amax(t: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    rows, cols = t.shape
+    padded = torch.nn.functional.pad(t.abs().float(), (0, -cols % block[1], 0, -rows % block[0]))
+    grid = padded.reshape(math.ceil(rows / block[0]), block[0], math.ceil(cols / block[1]), block[1])
+    return grid.amax(dim=(1, 3))
+
+
+def _cast(
+    t: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], fp8_dtype: torch.dtype, fp8_max: float
+) -> Plane:
+    rows, cols = t.shape
+    s = scale.repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
+    data = (t.float() * s).clamp(-fp8_max, fp8_max).to(fp8_dtype)
+    return Plane(data, 1.0 / scale, block)
+
+
+def _quantize(
+    t: torch.Tensor, state: ScalingState, index: int, *, weight: bool, rowwise: bool, columnwise: bool
+) -> ReferenceQuantizedTensor:
+    """Quantize a 2-D tensor into the copies asked for, updating delayed-scaling amax."""
+    recipe = state.recipe
+    fp8_dtype, fp8_max = recipe.fp8_dtype(forward=state.forward), recipe.fp8_max(forward=state.forward)
+    if recipe.per_tensor:
+        whole = tuple(t.shape)
+        if recipe.stateful:
+            amax_slot = state.amax_history[0, index]
+            amax_slot.copy_(torch.maximum(amax_slot, t.abs().amax().float()))
+            scale = state.scale[index].reshape(1, 1)
+        else:
+            scale = _scale_from_amax(t.abs().amax().reshape(1, 1), fp8_max, recipe)
+        plane = _cast(t, scale, whole, fp8_dtype, fp8_max)
+        # TE's cast-transpose: the column-wise copy holds the same FP8 values, transposed.
+        transposed = Plane(plane.data.t().contiguous(), plane.scale_inv, whole[::-1])
+        return ReferenceQuantizedTensor.wrap(
+            plane if rowwise else None, transposed if columnwise else None, t.device
+        )
+
+    block = (BLOCK, BLOCK) if weight else (1, BLOCK)
+
+    def blocks(src: torch.Tensor) -> Plane:
+        return _cast(
+            src, _scale_from_amax(_block_amax(src, block), fp8_max, recipe), block, fp8_dtype, fp8_max
+        )
+
+    return ReferenceQuantizedTensor.wrap(
+        blocks(t) if rowwise else None, blocks(t.t()) if columnwise else None, t.device
+    )
+
+
+def _bias_add(y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return y if bias is None else y + bias.float()
+
+
+def linear_fwd(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    bias: torch.Tensor | None,
+    scaling: ScalingState,
+    *,
+    compute_output: bool,
+    save_input: bool,
+    save_weight: bool,
+) -> tuple[torch.Tensor | None, ReferenceQuantizedTensor | None, ReferenceQuantizedTensor | None]:
+    """Forward GEMM y = x W^T + b, and the column-wise FP8 copies the backward needs.
+
+    ``compute_output`` False (a recomputed forward whose y nobody reads) only quantizes.
+    """
+    x2d = x.reshape(-1, x.shape[-1])
+    xq = _quantize(x2d, scaling, 0, weight=False, rowwise=compute_output, columnwise=save_input)
+    wq = None
+    if compute_output or save_weight:
+        wq = _quantize(w, scaling, 1, weight=True, rowwise=compute_output, columnwise=save_weight)
+    y = None
+    if compute_output:
+        y2d = xq.plane("rowwise").dequantize() @ wq.plane("rowwise").dequantize().t()
+        y = _bias_add(y2d, bias).to(x.dtype).reshape(*x.shape[:-1], w.shape[0])
+    return (
+        y,
+        xq.keep_columnwise_only() if save_input else None,
+        wq.keep_columnwise_only() if save_weight else None,
+    )
+
+
+def quantize_grad_output(
+    dy: torch.Tensor, scaling: ScalingState, *, rowwise: bool, columnwise: bool, bgrad: bool
+) -> tuple[ReferenceQuantizedTensor | None, torch.Tensor | None]:
+    """Quantize dy once for dgrad (row-wise) and wgrad (column-wise); bias grad alongside."""
+    dy2d = dy.reshape(-1, dy.shape[-1])
+    dbias = dy2d.float().sum(0).to(dy.dtype) if bgrad else None
+    dyq = None
+    if rowwise or columnwise:
+        dyq = _quantize(dy2d, scaling, 0, weight=False, rowwise=rowwise, columnwise=columnwise)
+    return dyq, dbias
+
+
+def linear_dgrad(
+    dy_q: ReferenceQuantizedTensor,
+    w_saved: ReferenceQuantizedTensor,
+    recipe: RecipeSpec,
+    *,
+    input_shape: tuple[int, ...],
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """dx = dy W, from row-wise dy and the column-wise (transposed) W."""
+    dx = dy_q.plane("rowwise").dequantize() @ w_saved.plane("columnwise").dequantize().t()
+    return dx.to(dtype).reshape(input_shape)
+
+
+def linear_wgrad(
+    dy_q: ReferenceQuantizedTensor,
+    x_saved: ReferenceQuantizedTensor,
+    recipe: RecipeSpec,
+    *,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """dW = dy^T x, from the column-wise dy and x."""
+    dw = dy_q.plane("columnwise").dequantize() @ x_saved.plane("columnwise").dequantize().t()
+    return dw.to(dtype)
+
+
+def update_delayed_scaling(
+    amax: torch.Tensor,
+    histories: list[torch.Tensor],
+    scales: list[torch.Tensor],
+    recipe: RecipeSpec,
+    *,
+    forward: bool,
+) -> None:
+    """TE's fused amax-and-scale update, state by state: ``amax`` is every state's reduced
+    current amax, concatenated in order."""
+    fp8_max = recipe.fp8_max(forward=forward)
+    for history, scale, current in zip(
+        histories, scales, amax.split([s.numel() for s in scales]), strict=True
+    ):
+        history[0].copy_(current)
+        chosen = history.amax(dim=0) if recipe.amax_compute_algo == "max" else history[0].clone()
+        new_scale = (fp8_max / chosen) / (2**recipe.margin)
+        new_scale = torch.where((chosen > 0) & torch.isfinite(chosen), new_scale, scale)
+        scale.copy_(torch.where(torch.isinf(new_scale), torch.full_like(new_scale, _FP32_MAX), new_scale))
+        history.copy_(torch.roll(history, -1, 0))
+        history[0].zero_()
+
+
+def amax_group() -> None:
+    """The reference has no autocast: amax reductions use torch.distributed's default group."""
+    return None

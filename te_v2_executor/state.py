@@ -1,0 +1,144 @@
+"""Quantization-state bookkeeping: who owns amax/scale state, and the once-per-pass flush.
+
+Each linear call site of a compiled function owns one ``LinearQuantState`` (forward quantizers
+for x and W, a backward one for dy). It is keyed by the names of its input and weight proxies,
+which Thunder keeps stable across retraces of one function, so freezing or unfreezing a weight
+(a retrace) keeps the delayed-scaling history, as a ``te.Linear`` module would. The forward and
+its checkpoint recompute share the object.
+
+A ``SyncGroup`` is what one sync symbol flushes: all delayed-scaling states of one direction of
+one trace, updated with one concatenation, at most one all-reduce and one fused update.
+"""
+
+from __future__ import annotations
+
+import weakref
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from te_v2_executor.backends import Backend, kernels
+from te_v2_executor.recipes import RecipeSpec
+
+
+class LinearQuantState:
+    """Quantization state of one linear call site; backend scaling states are made lazily on
+    the device of the first call."""
+
+    def __init__(self, key: tuple[str, str], name: str, recipe: RecipeSpec, backend: Backend) -> None:
+        self.key = key
+        self.name = name
+        self.recipe = recipe
+        self.backend = backend
+        self.amax_group: Any = None  # the amax reduction group seen by the last forward flush
+        self._forward = None
+        self._backward = None
+
+    def __repr__(self) -> str:
+        return f"LinearQuantState({self.name}, {self.recipe.scaling.value}, {self.backend.value})"
+
+    @property
+    def kernels(self) -> ModuleType:
+        return kernels(self.backend)
+
+    def forward_scaling(self, device: torch.device) -> Any:
+        if self._forward is None:
+            self._forward = self.kernels.ScalingState(self.recipe, forward=True, device=device)
+        return self._forward
+
+    def backward_scaling(self, device: torch.device) -> Any:
+        if self._backward is None:
+            self._backward = self.kernels.ScalingState(self.recipe, forward=False, device=device)
+        return self._backward
+
+    def scaling(self, *, forward: bool) -> Any:
+        """The scaling state of one direction, None before its first use."""
+        return self._forward if forward else self._backward
+
+
+class SyncGroup:
+    """The delayed-scaling states one sync symbol updates, all of one recipe and direction.
+
+    ``replayed``: forward states whose linears the backward recomputes; the forward flush first
+    snapshots their scales so the recompute quantizes as the original forward did.
+    """
+
+    def __init__(
+        self,
+        states: tuple[LinearQuantState, ...],
+        *,
+        forward: bool,
+        replayed: tuple[LinearQuantState, ...] = (),
+    ) -> None:
+        self.states = states
+        self.forward = forward
+        self.replayed = replayed
+
+    def __repr__(self) -> str:
+        direction = "forward" if self.forward else "backward"
+        return f"SyncGroup({direction}, {len(self.states)} linears)"
+
+    def snapshot_replayed_scales(self) -> torch.Tensor | None:
+        """(len(replayed), 2) copy of the input and weight scales of the replayed states."""
+        if not self.replayed:
+            return None
+        return torch.stack([s.scaling(forward=True).scale for s in self.replayed])
+
+    def flush(self) -> None:
+        """Reduce every state's current amax and update histories and scales, once."""
+        first = self.states[0]
+        if self.forward:
+            group = first.kernels.amax_group()
+            for s in self.states:
+                s.amax_group = group
+        else:
+            group = first.amax_group
+        scalings = [s.scaling(forward=self.forward) for s in self.states]
+        histories = [sc.amax_history for sc in scalings if sc is not None]
+        scales = [sc.scale for sc in scalings if sc is not None]
+        if not histories:
+            return
+        amax = torch.cat([h[0] for h in histories])
+        if (
+            first.recipe.reduce_amax
+            and torch.distributed.is_available()
+            and torch.distributed.is_initialized()
+            and torch.distributed.get_world_size(group) > 1
+        ):
+            torch.distributed.all_reduce(amax, op=torch.distributed.ReduceOp.MAX, group=group)
+        first.kernels.update_delayed_scaling(amax, histories, scales, first.recipe, forward=self.forward)
+
+
+class StateRegistry:
+    """The linear states of one compiled function, and its last explain report."""
+
+    def __init__(self) -> None:
+        self._states: dict[tuple[str, str], LinearQuantState] = {}
+        self.report: Any = None
+
+    def state(
+        self, key: tuple[str, str], name: str, recipe: RecipeSpec, backend: Backend
+    ) -> LinearQuantState:
+        """The state of call site ``key``; a new one when the recipe or backend changed."""
+        found = self._states.get(key)
+        if found is None or found.recipe != recipe or found.backend is not backend:
+            found = self._states[key] = LinearQuantState(key, name, recipe, backend)
+        return found
+
+    def states(self) -> list[LinearQuantState]:
+        return list(self._states.values())
+
+
+_registries: weakref.WeakKeyDictionary[Any, StateRegistry] = weakref.WeakKeyDictionary()
+_unowned = StateRegistry()
+
+
+def registry_for(compile_data: Any) -> StateRegistry:
+    """The registry of a Thunder compile data (one per ``thunder.jit`` callable)."""
+    if compile_data is None:
+        return _unowned
+    found = _registries.get(compile_data)
+    if found is None:
+        found = _registries[compile_data] = StateRegistry()
+    return found

@@ -1,0 +1,163 @@
+"""The te_v2 trace symbols: meta, implementation and registration, side by side.
+
+They live on a private operator executor that is never listed in ``executors=``; Thunder runs any
+symbol whose executor is set, so they execute wherever the te_v2 transforms put them. Metas say
+what the runtime values are: the saved FP8 copies are float8 tensors of the flattened operand's
+shape. Implementations only forward to the kernels of the call site's backend.
+
+Every symbol takes ``state``, the ``LinearQuantState`` of its call site, which is how the analysis
+knows which forward, quantization and GEMMs belong to one linear.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from thunder.core import dtypes, prims
+from thunder.core.proxies import AnyProxy, TensorProxy
+from thunder.extend import OperatorExecutor
+
+from te_v2_executor.state import LinearQuantState, SyncGroup
+
+ops = OperatorExecutor("te_v2_ops")
+
+
+def _fp8_proxy(
+    like: TensorProxy, shape: tuple[int, ...], state: LinearQuantState, *, forward: bool
+) -> TensorProxy:
+    return TensorProxy(like=like, shape=shape, dtype=dtypes.to_dtype(state.recipe.fp8_dtype(forward=forward)))
+
+
+def _flat_shape(t: TensorProxy) -> tuple[int, int]:
+    return (math.prod(t.shape[:-1]), t.shape[-1])
+
+
+# ---- forward: y = x W^T + b, plus the FP8 copies the backward reads -------------------------
+# The last output, ``amax_ready``, carries no data: it marks that this forward has recorded its
+# amaxes, so the forward sync can be ordered after every forward without holding their outputs.
+# A recomputed forward (activation checkpointing) gets ``replay``: the forward scales snapshot
+# the forward sync took before updating them, and the row of this linear in it; it quantizes
+# exactly as the original forward did and records no amax.
+
+
+def _linear_fwd_meta(
+    x, w, bias, *, state, compute_output, save_input, save_weight, replay=None, replay_row=0
+):
+    y = TensorProxy(like=x, shape=(*x.shape[:-1], w.shape[0])) if compute_output else None
+    x_saved = _fp8_proxy(x, _flat_shape(x), state, forward=True) if save_input else None
+    w_saved = _fp8_proxy(w, tuple(w.shape), state, forward=True) if save_weight else None
+    return y, x_saved, w_saved, AnyProxy(None, prefix="amax_ready")
+
+
+def _linear_fwd_impl(
+    x, w, bias, *, state, compute_output, save_input, save_weight, replay=None, replay_row=0
+):
+    if replay is None:
+        scaling = state.forward_scaling(x.device)
+    else:
+        scaling = state.kernels.ScalingState.replaying(state.recipe, replay[replay_row])
+    y, x_saved, w_saved = state.kernels.linear_fwd(
+        x, w, bias, scaling, compute_output=compute_output, save_input=save_input, save_weight=save_weight
+    )
+    return y, x_saved, w_saved, None
+
+
+LINEAR_FWD = ops.register_operator("te_v2_linear_fwd", meta=_linear_fwd_meta, fn=_linear_fwd_impl)
+
+
+# ---- backward: dy quantized once, shared by dgrad and wgrad; bias grad alongside ------------
+
+
+def _quantize_grad_output_meta(dy, *, state, rowwise, columnwise, bgrad):
+    dy_q = _fp8_proxy(dy, _flat_shape(dy), state, forward=False) if (rowwise or columnwise) else None
+    dbias = TensorProxy(like=dy, shape=(dy.shape[-1],)) if bgrad else None
+    return dy_q, dbias
+
+
+def _quantize_grad_output_impl(dy, *, state, rowwise, columnwise, bgrad):
+    return state.kernels.quantize_grad_output(
+        dy, state.backward_scaling(dy.device), rowwise=rowwise, columnwise=columnwise, bgrad=bgrad
+    )
+
+
+QUANTIZE_GRAD_OUTPUT = ops.register_operator(
+    "te_v2_quantize_grad_output", meta=_quantize_grad_output_meta, fn=_quantize_grad_output_impl
+)
+
+
+def _linear_dgrad_meta(dy_q, w_saved, *, state, input_shape, dtype):
+    return TensorProxy(like=dy_q, shape=tuple(input_shape), dtype=dtypes.to_dtype(dtype))
+
+
+def _linear_dgrad_impl(dy_q, w_saved, *, state, input_shape, dtype):
+    return state.kernels.linear_dgrad(dy_q, w_saved, state.recipe, input_shape=input_shape, dtype=dtype)
+
+
+LINEAR_DGRAD = ops.register_operator("te_v2_linear_dgrad", meta=_linear_dgrad_meta, fn=_linear_dgrad_impl)
+
+
+def _linear_wgrad_meta(dy_q, x_saved, *, state, dtype):
+    return TensorProxy(like=dy_q, shape=(dy_q.shape[-1], x_saved.shape[-1]), dtype=dtypes.to_dtype(dtype))
+
+
+def _linear_wgrad_impl(dy_q, x_saved, *, state, dtype):
+    return state.kernels.linear_wgrad(dy_q, x_saved, state.recipe, dtype=dtype)
+
+
+LINEAR_WGRAD = ops.register_operator("te_v2_linear_wgrad", meta=_linear_wgrad_meta, fn=_linear_wgrad_impl)
+
+
+# ---- once-per-pass flushes of delayed-scaling state -----------------------------------------
+
+
+def _forward_sync_meta(token, *after, group):
+    replay = None
+    if group.replayed:
+        replay = TensorProxy(like=token, shape=(len(group.replayed), 2), dtype=dtypes.float32)
+    return TensorProxy(like=token), replay
+
+
+def _forward_sync_impl(
+    token: torch.Tensor, *after, group: SyncGroup
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    replay = group.snapshot_replayed_scales()
+    group.flush()
+    return token, replay
+
+
+# Returns ``token`` (a forward output) so Thunder's forward/backward split keeps it in the
+# forward, and the pre-update scales of the linears the backward recomputes.
+FORWARD_SYNC = ops.register_operator(
+    "te_v2_forward_sync", meta=_forward_sync_meta, fn=_forward_sync_impl, tags=(prims.OpTags.DONT_DCE,)
+)
+
+
+def _backward_sync_meta(*after, group):
+    return None
+
+
+def _backward_sync_impl(*after, group: SyncGroup) -> None:
+    group.flush()
+
+
+BACKWARD_SYNC = ops.register_operator(
+    "te_v2_backward_sync", meta=_backward_sync_meta, fn=_backward_sync_impl, tags=(prims.OpTags.DONT_DCE,)
+)
+
+
+# ---- prologue guard: retrace when the te.autocast recipe changes ----------------------------
+
+
+def _check_recipe_meta(guard, signature):
+    return None
+
+
+def _check_recipe_impl(guard, signature: str) -> None:
+    if guard.current_signature() != signature:
+        raise RuntimeError("te_v2: the FP8 recipe changed since this trace was compiled")
+
+
+CHECK_RECIPE = ops.register_operator(
+    "te_v2_check_recipe", meta=_check_recipe_meta, fn=_check_recipe_impl, tags=(prims.OpTags.DONT_DCE,)
+)

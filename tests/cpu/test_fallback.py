@@ -1,0 +1,80 @@
+"""What te_v2 does not run goes to Thunder's default path, once-warned, with right numbers."""
+
+from __future__ import annotations
+
+import copy
+import re
+import warnings
+
+import pytest
+import thunder
+import torch
+
+from te_v2_executor import ClaimPolicy, TEv2FallbackWarning, backends, explain, make_te_v2, te_v2
+from te_v2_executor.symbols import LINEAR_FWD
+from tests.helpers import bsyms_of, forward_trace
+from tests.models import LoRAStack, Stack, grads
+
+
+def _train_step(model, executors, x):
+    jitted = thunder.jit(model, executors=executors)
+    jitted(x).sum().backward()
+    return jitted
+
+
+@pytest.mark.parametrize(
+    ("dims", "tokens", "rule"),
+    [
+        ([64, 40], 32, "divisible by 16 (out_features=40)"),
+        ([40, 64], 32, "divisible by 16 (in_features=40)"),
+        ([64, 64], 24, "divisible by 16 (tokens=24)"),
+    ],
+    ids=["out-features", "in-features", "tokens"],
+)
+def test_shapes_fp8_cannot_run_fall_back_once_with_the_rule(reference_te_v2, dims, tokens, rule):
+    model = Stack(dims)
+    x = torch.randn(tokens, dims[0], requires_grad=True)
+    eager = copy.deepcopy(model)
+    eager_x = x.detach().clone().requires_grad_()
+    eager(eager_x).sum().backward()
+
+    with pytest.warns(
+        TEv2FallbackWarning, match=rf"x\[{tokens}, {dims[0]}\] @ W\[{dims[1]}, {dims[0]}\].*{re.escape(rule)}"
+    ):
+        jitted = _train_step(model, [reference_te_v2], x)
+    assert not bsyms_of(forward_trace(jitted), LINEAR_FWD)
+    # Thunder's default linear: the same float32 numbers as eager PyTorch
+    torch.testing.assert_close(x.grad, eager_x.grad)
+    torch.testing.assert_close(grads(model)["linears.0.weight"], grads(eager)["linears.0.weight"])
+    (row,) = explain(jitted).linears
+    assert not row.claimed and rule in row.fallback
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", TEv2FallbackWarning)
+        _train_step(model, [reference_te_v2], x)  # a new trace, the same fallback: no second warning
+
+
+def test_unsupported_dtype_falls_back(reference_te_v2):
+    model = Stack([64, 64]).double()
+    with pytest.warns(TEv2FallbackWarning, match="float32, bfloat16 or float16 inputs"):
+        _train_step(model, [reference_te_v2], torch.randn(32, 64, dtype=torch.float64))
+
+
+def test_claim_policy_keeps_small_adapters_off_fp8():
+    ex = make_te_v2(backend="reference", claim=ClaimPolicy(min_features=32))
+    with pytest.warns(TEv2FallbackWarning, match="min_features=32"):
+        jitted = _train_step(LoRAStack([64, 64], rank=16), [ex], torch.randn(32, 64))
+    claimed = {r.name: r.claimed for r in explain(jitted).linears}
+    assert claimed == {
+        "layers_0_base_weight": True,
+        "layers_0_lora_a_weight": False,
+        "layers_0_lora_b_weight": False,
+    }
+    assert "fallback" in str(explain(jitted))
+
+
+@pytest.mark.skipif(backends.te_available(), reason="TransformerEngine is installed here")
+def test_te_backend_without_transformer_engine_says_what_to_install():
+    jitted = thunder.jit(Stack([64, 64]), executors=[te_v2])
+    with pytest.raises(ImportError, match=r"te-v2-executor\[te\].*backend='reference'"):
+        jitted(torch.randn(32, 64))

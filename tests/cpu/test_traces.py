@@ -1,0 +1,179 @@
+"""Which te_v2 symbols the compiled traces hold, case by case (reference backend, CPU)."""
+
+from __future__ import annotations
+
+import pytest
+import thunder
+import torch
+from thunder.core import prims
+from thunder.executors.torch_compile import torch_compile_ex
+
+from te_v2_executor import current_scaling, explain, make_te_v2
+from te_v2_executor.symbols import (
+    BACKWARD_SYNC,
+    FORWARD_SYNC,
+    LINEAR_DGRAD,
+    LINEAR_FWD,
+    LINEAR_WGRAD,
+    QUANTIZE_GRAD_OUTPUT,
+)
+from tests.helpers import backward_trace, bsyms_of, forward_trace
+from tests.models import Checkpointed, LoRAStack, Stack, every_even
+
+DIM = 64
+TOKENS = 32
+
+
+def _step(model, executors, x):
+    jitted = thunder.jit(model, executors=executors)
+    y = jitted(x)
+    if y.requires_grad:
+        y.sum().backward()
+    return jitted
+
+
+def _weight_names(bsyms) -> set[str]:
+    return {b.kwargs["state"].name for b in bsyms}
+
+
+@pytest.mark.parametrize("input_requires_grad", [False, True], ids=["x-no-grad", "x-grad"])
+def test_seed_case_runs_only_consumed_gradients(reference_te_v2, input_requires_grad):
+    model = Stack([DIM] * 5, frozen=every_even)
+    x = torch.randn(TOKENS, DIM, requires_grad=input_requires_grad)
+    jitted = _step(model, [reference_te_v2], x)
+    bwd = backward_trace(jitted)
+
+    expected_wgrad = {"t_linears_1_weight", "t_linears_3_weight"}
+    assert _weight_names(bsyms_of(bwd, LINEAR_WGRAD)) == expected_wgrad
+    # dx of linear i is needed when something before it trains: linear 1's weight, or x
+    needs_dgrad = [input_requires_grad or i >= 2 for i in range(4)]
+    expected_dgrad = {f"t_linears_{i}_weight" for i in range(4) if needs_dgrad[i]}
+    assert _weight_names(bsyms_of(bwd, LINEAR_DGRAD)) == expected_dgrad
+    assert _weight_names(bsyms_of(bwd, QUANTIZE_GRAD_OUTPUT)) == expected_dgrad | expected_wgrad
+
+    fwd = {b.kwargs["state"].name: b.kwargs for b in bsyms_of(forward_trace(jitted), LINEAR_FWD)}
+    for i in range(4):
+        kw = fwd[f"t_linears_{i}_weight"]
+        assert kw["save_input"] is (i % 2 == 1), f"x^T of linear {i}"
+        assert kw["save_weight"] is needs_dgrad[i], f"W^T of linear {i}"
+
+
+def test_seed_case_report(reference_te_v2):
+    jitted = _step(Stack([DIM] * 5, frozen=every_even), [reference_te_v2], torch.randn(TOKENS, DIM))
+    rows = {r.name: r for r in explain(jitted).linears}
+    assert [rows[f"linears_{i}_weight"].wgrad for i in range(4)] == [False, True, False, True]
+    assert [rows[f"linears_{i}_weight"].dgrad for i in range(4)] == [False, False, True, True]
+    assert [rows[f"linears_{i}_weight"].saves_input_t for i in range(4)] == [False, True, False, True]
+    assert "saves x^T" in str(explain(jitted))
+
+
+def test_everything_frozen_has_no_backward_symbols(reference_te_v2):
+    model = Stack([DIM] * 5, frozen=lambda i: True)
+    jitted = _step(model, [reference_te_v2], torch.randn(TOKENS, DIM))
+    assert backward_trace(jitted) is None
+    fwd = forward_trace(jitted)
+    for sym in (QUANTIZE_GRAD_OUTPUT, LINEAR_DGRAD, LINEAR_WGRAD, BACKWARD_SYNC):
+        assert not bsyms_of(fwd, sym)
+    # like te.autocast, grad mode on means the forward's delayed-scaling state is updated
+    assert len(bsyms_of(fwd, FORWARD_SYNC)) == 1
+    assert all(not b.kwargs["save_input"] and not b.kwargs["save_weight"] for b in bsyms_of(fwd, LINEAR_FWD))
+
+
+@pytest.mark.parametrize("trained", ["bias", "weight"])
+def test_bias_gradient_runs_only_when_the_bias_trains(reference_te_v2, trained):
+    model = Stack([DIM, DIM], bias=True)
+    getattr(model.linears[0], "weight" if trained == "bias" else "bias").requires_grad_(False)
+    jitted = _step(model, [reference_te_v2], torch.randn(TOKENS, DIM))
+    bwd = backward_trace(jitted)
+    (quantize,) = bsyms_of(bwd, QUANTIZE_GRAD_OUTPUT)
+    assert quantize.kwargs["bgrad"] is (trained == "bias")
+    assert bool(bsyms_of(bwd, LINEAR_WGRAD)) is (trained == "weight")
+    # bias grad alone needs no FP8 dy at all
+    assert (quantize.kwargs["rowwise"], quantize.kwargs["columnwise"]) == (False, trained == "weight")
+    assert (model.linears[0].bias.grad is not None) is (trained == "bias")
+
+
+def test_inference_runs_the_forward_gemm_only(reference_te_v2):
+    model = Stack([DIM] * 3)
+    jitted = thunder.jit(model, executors=[reference_te_v2])
+    with torch.no_grad():
+        jitted(torch.randn(TOKENS, DIM))
+    fwd = forward_trace(jitted)
+    kwargs = [b.kwargs for b in bsyms_of(fwd, LINEAR_FWD)]
+    assert len(kwargs) == 2
+    assert all(k["compute_output"] and not k["save_input"] and not k["save_weight"] for k in kwargs)
+    assert not bsyms_of(fwd, FORWARD_SYNC) and not bsyms_of(fwd, BACKWARD_SYNC)
+
+
+def _recomputed(trace, name):
+    return [b for b in bsyms_of(trace, LINEAR_FWD) if b.kwargs["state"].name == name]
+
+
+@pytest.mark.parametrize("act", ["relu", "none"])
+def test_checkpoint_recompute_builds_only_what_the_backward_uses(reference_te_v2, act):
+    model = Checkpointed(DIM)
+    if act == "none":
+        model.inner.act = lambda t: t
+    x = torch.randn(TOKENS, DIM, requires_grad=True)
+    jitted = _step(model, [reference_te_v2], x)
+    first_inner = "t_inner_linears_0_weight"
+
+    (original,) = _recomputed(forward_trace(jitted), first_inner)
+    assert not original.kwargs["save_input"] and not original.kwargs["save_weight"]
+    (recompute,) = _recomputed(backward_trace(jitted), first_inner)
+    assert recompute.kwargs["save_input"] and recompute.kwargs["save_weight"]
+    # relu's backward reads the recomputed output; without it, only the FP8 copies are needed
+    assert recompute.kwargs["compute_output"] is (act == "relu")
+    assert next(r for r in explain(jitted).linears if r.name == "inner_linears_0_weight").recomputed
+
+
+def test_frozen_base_lora_skips_base_wgrad(reference_te_v2):
+    model = LoRAStack([DIM, DIM, DIM], rank=16)
+    jitted = _step(model, [reference_te_v2], torch.randn(TOKENS, DIM))
+    bwd = backward_trace(jitted)
+    wgrad_names = _weight_names(bsyms_of(bwd, LINEAR_WGRAD))
+    assert wgrad_names == {f"t_layers_{i}_lora_{ab}_weight" for i in range(2) for ab in "ab"}
+    base = [r for r in explain(jitted).linears if "base" in r.name]
+    assert [r.saves_input_t for r in base] == [False, False]
+    assert [r.dgrad for r in base] == [False, True]
+
+
+def test_delayed_scaling_flushes_once_per_pass_at_the_end(reference_te_v2):
+    jitted = _step(Stack([DIM] * 5), [reference_te_v2], torch.randn(TOKENS, DIM, requires_grad=True))
+    fwd, bwd = forward_trace(jitted), backward_trace(jitted)
+    work = lambda t: [b for b in t.bound_symbols if b.sym not in (prims.python_del, prims.python_return)]  # noqa: E731
+    assert len(bsyms_of(fwd, FORWARD_SYNC)) == 1 and work(fwd)[-1].sym is FORWARD_SYNC
+    assert len(bsyms_of(bwd, BACKWARD_SYNC)) == 1 and work(bwd)[-1].sym is BACKWARD_SYNC
+    assert len(bsyms_of(fwd, FORWARD_SYNC)[0].kwargs["group"].states) == 4
+
+
+def test_stateless_recipes_have_no_sync():
+    ex = make_te_v2(backend="reference", recipe=current_scaling())
+    jitted = _step(Stack([DIM] * 3), [ex], torch.randn(TOKENS, DIM, requires_grad=True))
+    for trace in (forward_trace(jitted), backward_trace(jitted)):
+        assert not bsyms_of(trace, FORWARD_SYNC) and not bsyms_of(trace, BACKWARD_SYNC)
+
+
+def test_torch_compile_executor_fuses_the_rest_not_the_linears(reference_te_v2):
+    model = Stack([DIM] * 5, frozen=every_even, act=torch.nn.functional.gelu)
+    jitted = _step(model, [reference_te_v2, torch_compile_ex], torch.randn(TOKENS, DIM, requires_grad=True))
+    for trace in (forward_trace(jitted), backward_trace(jitted)):
+        fusions = [b for b in trace.bound_symbols if b.sym.is_fusion]
+        assert fusions, "torch.compile fused nothing"
+        for fusion in fusions:
+            assert all(s.sym.executor is not LINEAR_FWD.executor for s in fusion.subsymbols)
+    assert len(bsyms_of(backward_trace(jitted), LINEAR_WGRAD)) == 2
+    assert all(r.claimed for r in explain(jitted).linears)
+
+
+def test_default_executors_after_te_v2(reference_te_v2):
+    jitted = _step(
+        Stack([DIM] * 3), [reference_te_v2, *thunder.get_default_executors()], torch.randn(TOKENS, DIM)
+    )
+    assert len(bsyms_of(forward_trace(jitted), LINEAR_FWD)) == 2
+
+
+def test_a_fuser_claiming_linear_first_is_refused(reference_te_v2):
+    jitted = thunder.jit(Stack([DIM] * 2), executors=[torch_compile_ex, reference_te_v2])
+    with pytest.raises(ValueError, match=r"list 'te_v2_reference_\d+' first"):
+        jitted(torch.randn(TOKENS, DIM))

@@ -1,0 +1,71 @@
+"""What the GPU tests share: the skip rule, TE model factories, training steps, kernel counts."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+
+import pytest
+import thunder
+import torch
+
+from te_v2_executor import backends
+
+_REASON = "needs a CUDA GPU with TransformerEngine" + (
+    "" if not backends.te_import_error() else f" ({backends.te_import_error()})"
+)
+requires_te_gpu = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not (torch.cuda.is_available() and backends.te_available()), reason=_REASON),
+]
+
+DTYPE = torch.bfloat16
+# TransformerEngine's own tolerances for FP8 (tests/pytorch/utils.py: dtype_tols).
+FP8_TOLS = {"rtol": 0.125, "atol": 0.0675}
+GEMM_KERNEL = re.compile(r"gemm|nvjet|xmma|cutlass", re.IGNORECASE)
+
+
+def te_linear(in_f: int, out_f: int, bias: bool, **kw) -> torch.nn.Module:
+    import transformer_engine.pytorch as te
+
+    return te.Linear(in_f, out_f, bias=bias, params_dtype=DTYPE, device="cuda")
+
+
+def torch_linear(in_f: int, out_f: int, bias: bool, **kw) -> torch.nn.Module:
+    return torch.nn.Linear(in_f, out_f, bias=bias, dtype=DTYPE, device="cuda")
+
+
+def builtin_executors() -> tuple[list, list]:
+    """Thunder 0.2.6's own TE executor and the transform it needs."""
+    from thunder.executors.transformer_engineex import TransformerEngineTransform, transformer_engine_ex
+
+    return [transformer_engine_ex], [TransformerEngineTransform()]
+
+
+def train_step(fn: Callable, x: torch.Tensor, recipe) -> torch.Tensor:
+    """Forward under ``te.autocast`` with ``recipe``, backward of sum() after it, as TE expects."""
+    import transformer_engine.pytorch as te
+
+    with te.autocast(enabled=True, recipe=recipe):
+        y = fn(x)
+    y.float().sum().backward()
+    return y
+
+
+def gemm_kernels_per_step(fn: Callable, x: torch.Tensor, recipe, *, warmup: int = 2) -> tuple[int, list[str]]:
+    """GEMM kernels one forward+backward step launches (torch.profiler), and all kernel names."""
+    for _ in range(warmup):
+        train_step(fn, x, recipe)
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        train_step(fn, x, recipe)
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return sum(bool(GEMM_KERNEL.search(n)) for n in names), names
+
+
+def jit_te_v2(model: torch.nn.Module, *fusers) -> Callable:
+    """``model`` compiled with te_v2 first, then ``fusers`` (e.g. the torch.compile executor)."""
+    from te_v2_executor import te_v2
+
+    return thunder.jit(model, executors=[te_v2, *fusers])

@@ -1,0 +1,56 @@
+"""GEMM kernels per training step (torch.profiler): te_v2 runs exactly the GEMMs needed."""
+
+from __future__ import annotations
+
+import pytest
+import thunder
+import torch
+from thunder.executors.torch_compile import torch_compile_ex
+
+from tests.gpu.common import (
+    DTYPE,
+    builtin_executors,
+    gemm_kernels_per_step,
+    jit_te_v2,
+    requires_te_gpu,
+    te_linear,
+    torch_linear,
+)
+from tests.models import LoRAStack, Stack, copy_weights, every_even
+
+pytestmark = requires_te_gpu
+
+DIM, TOKENS = 1024, 2048
+
+# (model builder, GEMMs a step needs with an input that needs no grad)
+CASES = {
+    # forward 4; dgrad where something upstream trains (linears 2, 3); wgrad of linears 1, 3
+    "alternate-frozen": (lambda f: Stack([DIM] * 5, frozen=every_even, factory=f), 4 + 2 + 2),
+    # per layer 3 forward GEMMs; layer 0: wgrad A, B and dgrad B; layer 1: also dgrad base and A
+    "lora": (lambda f: LoRAStack([DIM] * 3, rank=16, factory=f), 6 + 8),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_te_v2_runs_only_the_gemms_needed(case):
+    import transformer_engine.common.recipe as te_recipe
+
+    build, needed = CASES[case]
+    recipe = te_recipe.DelayedScaling()
+    model = build(torch_linear)
+    te_model = copy_weights(build(te_linear), model)
+    builtin_model = copy_weights(build(torch_linear), model)
+    executors, transforms = builtin_executors()
+    builtin = thunder.jit(builtin_model, executors=[*executors, torch_compile_ex], transforms=transforms)
+    x = torch.randn(TOKENS, DIM, device="cuda", dtype=DTYPE)
+
+    ours, names = gemm_kernels_per_step(jit_te_v2(model, torch_compile_ex), x, recipe)
+    eager, _ = gemm_kernels_per_step(te_model, x, recipe)
+    theirs, _ = gemm_kernels_per_step(builtin, x, recipe)
+    print(
+        f"\n[{case}] GEMM kernels per step: te_v2 {ours}, te.Linear eager {eager}, built-in TE executor {theirs}, needed {needed}"
+    )
+    print(f"[{case}] te_v2 kernels per step: {len(names)}")
+    assert ours == needed, sorted(n for n in names)
+    assert ours == eager
+    assert ours < theirs

@@ -1,0 +1,50 @@
+"""Recipes follow te.autocast (a change retraces); what TE cannot run falls back, warned once."""
+
+from __future__ import annotations
+
+import pytest
+import thunder
+import torch
+
+from te_v2_executor import RecipeSpec, Scaling, TEv2FallbackWarning, explain, make_te_v2, te_v2
+from tests.gpu.common import DTYPE, requires_te_gpu, torch_linear, train_step
+from tests.models import Stack
+
+pytestmark = requires_te_gpu
+
+
+def test_a_recipe_change_takes_effect_on_the_next_call():
+    import transformer_engine.common.recipe as te_recipe
+
+    model = Stack([256] * 3, factory=torch_linear)
+    jitted = thunder.jit(model, executors=[te_v2])
+    x = torch.randn(128, 256, device="cuda", dtype=DTYPE)
+    train_step(jitted, x, te_recipe.DelayedScaling())
+    assert {r.recipe for r in explain(jitted).linears} == {"delayed"}
+    train_step(jitted, x, te_recipe.Float8CurrentScaling())
+    assert {r.recipe for r in explain(jitted).linears} == {"current"}
+    assert thunder.cache_misses(jitted) == 2
+    train_step(jitted, x, te_recipe.DelayedScaling())  # an equal recipe object: the first trace again
+    assert thunder.cache_misses(jitted) == 2 and thunder.cache_hits(jitted) == 1
+
+
+def test_outside_te_autocast_delayed_scaling_is_used():
+    model = Stack([256] * 2, factory=torch_linear)
+    jitted = thunder.jit(model, executors=[te_v2])
+    jitted(torch.randn(128, 256, device="cuda", dtype=DTYPE)).sum().backward()
+    assert explain(jitted).linears[0].recipe == "delayed"
+
+
+def test_cpu_tensors_fall_back_with_the_rule():
+    jitted = thunder.jit(Stack([64, 64]), executors=[te_v2])
+    with pytest.warns(TEv2FallbackWarning, match="CUDA tensors only"):
+        jitted(torch.randn(32, 64)).sum().backward()
+
+
+def test_mxfp8_is_claimed_only_on_blackwell():
+    if torch.cuda.get_device_capability() >= (10, 0):
+        pytest.skip("this GPU is Blackwell: MXFP8 is claimed here")
+    ex = make_te_v2(recipe=RecipeSpec(scaling=Scaling.MXFP8, fp8_format="E4M3"))
+    jitted = thunder.jit(Stack([256, 256], factory=torch_linear), executors=[ex])
+    with pytest.warns(TEv2FallbackWarning, match="need a Blackwell GPU"):
+        jitted(torch.randn(128, 256, device="cuda", dtype=DTYPE)).sum().backward()

@@ -1,0 +1,91 @@
+"""Shared test utilities: trace inspection, accuracy measures, the eager FP8 emulation."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import thunder
+import torch
+
+from te_v2_executor import reference
+from te_v2_executor.recipes import RecipeSpec
+
+
+def bsyms_of(trace: thunder.core.trace.TraceCtx | None, sym) -> list:
+    """Top-level bound symbols of ``trace`` calling ``sym`` (by identity); none for no trace."""
+    if trace is None:
+        return []
+    return [b for b in trace.bound_symbols if b.sym is sym]
+
+
+def forward_trace(jitted) -> thunder.core.trace.TraceCtx:
+    return thunder.last_traces(jitted)[-1]
+
+
+def backward_trace(jitted) -> thunder.core.trace.TraceCtx | None:
+    traces = thunder.last_backward_traces(jitted)
+    return traces[-1] if traces else None
+
+
+def sqnr_db(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """Signal-to-quantization-noise ratio of ``actual`` against ``expected``, in dB."""
+    expected = expected.detach().double()
+    noise = (actual.detach().double() - expected).norm()
+    return float("inf") if noise == 0 else float(20 * torch.log10(expected.norm() / noise))
+
+
+class _EmulatedLinear(torch.autograd.Function):
+    """One te_v2 linear in eager mode, on the reference kernels, with fresh scaling state."""
+
+    @staticmethod
+    def forward(ctx, x, w, bias, recipe):
+        scaling = reference.ScalingState(recipe, forward=True, device=x.device)
+        y, x_saved, w_saved = reference.linear_fwd(
+            x, w, bias, scaling, compute_output=True, save_input=True, save_weight=True
+        )
+        ctx.save_for_backward(x_saved, w_saved)
+        ctx.recipe, ctx.has_bias, ctx.x_shape, ctx.dtypes = (
+            recipe,
+            bias is not None,
+            x.shape,
+            (x.dtype, w.dtype),
+        )
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x_saved, w_saved = ctx.saved_tensors
+        scaling = reference.ScalingState(ctx.recipe, forward=False, device=dy.device)
+        dy_q, dbias = reference.quantize_grad_output(
+            dy, scaling, rowwise=True, columnwise=True, bgrad=ctx.has_bias
+        )
+        dx = reference.linear_dgrad(
+            dy_q, w_saved, ctx.recipe, input_shape=tuple(ctx.x_shape), dtype=ctx.dtypes[0]
+        )
+        dw = reference.linear_wgrad(dy_q, x_saved, ctx.recipe, dtype=ctx.dtypes[1])
+        return dx, dw, dbias, None
+
+
+@contextlib.contextmanager
+def eager_emulation(recipe: RecipeSpec) -> Iterator[None]:
+    """Run every ``F.linear`` (so every ``nn.Linear``) eagerly through the reference kernels:
+    what te_v2's first step must compute, without Thunder."""
+    original = torch.nn.functional.linear
+    torch.nn.functional.linear = lambda x, w, bias=None: _EmulatedLinear.apply(x, w, bias, recipe)
+    try:
+        yield
+    finally:
+        torch.nn.functional.linear = original
+
+
+def saved_nbytes(t: torch.Tensor) -> int:
+    """Device bytes a saved tensor holds: the data and scales inside an FP8 tensor subclass
+    (TE's Float8Tensor, the reference's carrier), else its own storage."""
+    inner = (
+        [v for v in vars(t).values() if isinstance(v, torch.Tensor)] if type(t) is not torch.Tensor else []
+    )
+    planes = [p for p in (getattr(t, "rowwise", None), getattr(t, "columnwise", None)) if p is not None]
+    if planes:
+        return sum(p.nbytes for p in planes)
+    return sum(saved_nbytes(v) for v in inner) if inner else t.nbytes

@@ -1,0 +1,131 @@
+"""Small models for the te_v2 tests, built from a linear factory.
+
+With ``nn.Linear`` they are what te_v2 compiles; with ``te.Linear`` the TransformerEngine eager
+baseline; both get the same weights through ``copy_weights``.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+LinearFactory = Callable[..., nn.Module]
+
+
+def torch_linear(in_features: int, out_features: int, bias: bool, **kw) -> nn.Module:
+    return nn.Linear(in_features, out_features, bias=bias, **kw)
+
+
+class Stack(nn.Module):
+    """Linears with an activation between them; ``frozen`` names the linears whose weight and
+    bias do not train (the seed case freezes every even one)."""
+
+    def __init__(
+        self,
+        dims: list[int],
+        *,
+        bias: bool = False,
+        frozen: Callable[[int], bool] = lambda i: False,
+        act: Callable[[torch.Tensor], torch.Tensor] = torch.relu,
+        factory: LinearFactory = torch_linear,
+        **kw,
+    ) -> None:
+        super().__init__()
+        self.act = act
+        self.linears = nn.ModuleList(factory(i, o, bias, **kw) for i, o in itertools.pairwise(dims))
+        for i, lin in enumerate(self.linears):
+            if frozen(i):
+                lin.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i, lin in enumerate(self.linears):
+            x = lin(x)
+            if i < len(self.linears) - 1:
+                x = self.act(x)
+        return x
+
+
+def every_even(i: int) -> bool:
+    return i % 2 == 0
+
+
+class LoRALinear(nn.Module):
+    """A frozen base linear plus a trainable rank-``rank`` update B(A(x))."""
+
+    def __init__(
+        self, in_f: int, out_f: int, rank: int, *, factory: LinearFactory = torch_linear, **kw
+    ) -> None:
+        super().__init__()
+        self.base = factory(in_f, out_f, False, **kw)
+        self.lora_a = factory(in_f, rank, False, **kw)
+        self.lora_b = factory(rank, out_f, False, **kw)
+        self.base.requires_grad_(False)
+        with torch.no_grad():
+            self.lora_b.weight.normal_(0.0, 0.02)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + self.lora_b(self.lora_a(x))
+
+
+class LoRAStack(nn.Module):
+    def __init__(
+        self, dims: list[int], rank: int = 16, *, factory: LinearFactory = torch_linear, **kw
+    ) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(
+            LoRALinear(i, o, rank, factory=factory, **kw) for i, o in itertools.pairwise(dims)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i, layer in enumerate(self.layers):
+            x = layer(x)
+            if i < len(self.layers) - 1:
+                x = torch.relu(x)
+        return x
+
+
+class Checkpointed(nn.Module):
+    """Four linears; the middle two run under ``torch.utils.checkpoint``."""
+
+    def __init__(self, dim: int, *, factory: LinearFactory = torch_linear, **kw) -> None:
+        super().__init__()
+        self.first = factory(dim, dim, False, **kw)
+        self.inner = Stack([dim, dim, dim], factory=factory, **kw)
+        self.last = factory(dim, dim, False, **kw)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.relu(self.first(x))
+        x = checkpoint(self.inner, x, use_reentrant=False)
+        return self.last(torch.relu(x))
+
+
+class SharedWeight(nn.Module):
+    """One weight used by two linears (tied weights)."""
+
+    def __init__(self, dim: int, *, factory: LinearFactory = torch_linear, **kw) -> None:
+        super().__init__()
+        self.a = factory(dim, dim, False, **kw)
+        self.b = factory(dim, dim, False, **kw)
+        self.b.weight = self.a.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.relu(self.a(x)))
+
+
+def copy_weights(dst: nn.Module, src: nn.Module) -> nn.Module:
+    """Copy parameters by name and mirror ``requires_grad``; returns ``dst``."""
+    src_params = dict(src.named_parameters(remove_duplicate=False))
+    with torch.no_grad():
+        for name, p in dst.named_parameters(remove_duplicate=False):
+            p.copy_(src_params[name])
+            p.requires_grad_(src_params[name].requires_grad)
+    return dst
+
+
+def grads(model: nn.Module) -> dict[str, torch.Tensor | None]:
+    """Gradients by parameter name (tied parameters once)."""
+    return {name: p.grad for name, p in model.named_parameters()}
