@@ -25,13 +25,13 @@ FP8_TOLS = {"rtol": 0.125, "atol": 0.0675}
 GEMM_KERNEL = re.compile(r"gemm|nvjet|xmma|cutlass", re.IGNORECASE)
 
 
-def te_linear(in_f: int, out_f: int, bias: bool, **kw) -> torch.nn.Module:
+def te_linear(in_f: int, out_f: int, bias: bool, dtype: torch.dtype = DTYPE) -> torch.nn.Module:
     import transformer_engine.pytorch as te
 
-    return te.Linear(in_f, out_f, bias=bias, params_dtype=DTYPE, device="cuda")
+    return te.Linear(in_f, out_f, bias=bias, params_dtype=dtype, device="cuda")
 
 
-def torch_linear(in_f: int, out_f: int, bias: bool, **kw) -> torch.nn.Module:
+def torch_linear(in_f: int, out_f: int, bias: bool) -> torch.nn.Module:
     return torch.nn.Linear(in_f, out_f, bias=bias, dtype=DTYPE, device="cuda")
 
 
@@ -43,12 +43,14 @@ def builtin_executors() -> tuple[list, list]:
 
 
 def train_step(fn: Callable, x: torch.Tensor, recipe) -> torch.Tensor:
-    """Forward under ``te.autocast`` with ``recipe``, backward of sum() after it, as TE expects."""
+    """Forward under ``te.autocast`` with ``recipe`` (plain BF16 when None), then backward of
+    sum() after it, as TE expects."""
     import transformer_engine.pytorch as te
 
-    with te.autocast(enabled=True, recipe=recipe):
+    with te.autocast(enabled=recipe is not None, recipe=recipe):
         y = fn(x)
-    y.float().sum().backward()
+    if y.requires_grad:
+        y.float().sum().backward()
     return y
 
 
