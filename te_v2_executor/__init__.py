@@ -12,10 +12,12 @@ from te_v2_executor.config import ClaimPolicy, TEv2Config
 from te_v2_executor.executor import TEv2Executor, TEv2FallbackWarning, make_te_v2, te_v2
 from te_v2_executor.explain import LinearReport, Report, explain
 from te_v2_executor.recipes import RecipeSpec, Scaling, block_scaling, current_scaling, delayed_scaling
+from te_v2_executor.state import LinearQuantState, quantization_update_scope
 
 __all__ = [
     "Backend",
     "ClaimPolicy",
+    "LinearQuantState",
     "LinearReport",
     "RecipeSpec",
     "Report",
@@ -28,5 +30,6 @@ __all__ = [
     "delayed_scaling",
     "explain",
     "make_te_v2",
+    "quantization_update_scope",
     "te_v2",
 ]

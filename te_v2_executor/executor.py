@@ -72,9 +72,7 @@ class TEv2Executor(FusionExecutor):
         grad_enabled = compile_data.is_grad_enabled if compile_data is not None else True
         new_trace = analysis.insert_syncs(new_trace, grad_enabled=grad_enabled)
         new_trace.set_provenance(TraceProvenance("te_v2 backward-consumption analysis"))
-        registry_for(compile_data).report = explain.report_from_trace(
-            new_trace, fallbacks, lambda x, w, bias: operands(x, w, bias).describe()
-        )
+        registry_for(compile_data).report = explain.report_from_trace(new_trace, fallbacks)
         return new_trace
 
 

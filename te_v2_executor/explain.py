@@ -6,7 +6,7 @@ it states what will execute, not what was intended.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import thunder
@@ -15,7 +15,8 @@ from thunder.core.proxies import TensorProxy
 from thunder.core.trace import TraceCtx
 
 from te_v2_executor.analysis import is_recompute
-from te_v2_executor.state import registry_for
+from te_v2_executor.lowering import operands
+from te_v2_executor.state import LinearQuantState, registry_for
 from te_v2_executor.symbols import LINEAR_DGRAD, LINEAR_FWD, LINEAR_WGRAD, QUANTIZE_GRAD_OUTPUT
 
 
@@ -33,6 +34,7 @@ class LinearReport:
     wgrad: bool = False
     bgrad: bool = False
     recomputed: bool = False  # recomputed in the backward (activation checkpointing)
+    state: LinearQuantState | None = field(default=None, repr=False, compare=False)  # its quantization state
 
     @property
     def claimed(self) -> bool:
@@ -41,7 +43,7 @@ class LinearReport:
 
 @dataclass(frozen=True)
 class Report:
-    """All linears of one trace, in trace order."""
+    """All linears of one trace: those te_v2 runs in trace order, then the fallbacks."""
 
     linears: tuple[LinearReport, ...]
 
@@ -117,27 +119,24 @@ def _claimed_linears(trace: TraceCtx) -> dict[int, dict[str, Any]]:
     return sites
 
 
-def report_from_trace(trace: TraceCtx, fallbacks: list[tuple[Any, str]], describe: Any) -> Report:
-    """The report of an analysed trace; ``fallbacks`` are (linear bound symbol, rule) pairs and
-    ``describe(x, w, bias)`` phrases a linear's operands."""
+def report_from_trace(trace: TraceCtx, fallbacks: list[tuple[Any, str]]) -> Report:
+    """The report of an analysed trace; ``fallbacks`` are (linear bound symbol, rule) pairs."""
     rows = []
     for site in _claimed_linears(trace).values():
         x, w = site.pop("x"), site.pop("w")
-        state = site.pop("state")
         rows.append(
             LinearReport(
                 name=source_name(trace, w),
-                operation=describe(x, w, None),
-                recipe=state.recipe.scaling.value,
+                operation=operands(x, w, None).describe(),
+                recipe=site["state"].recipe.scaling.value,
                 **site,
             )
         )
     for bsym, rule in fallbacks:
-        x, w, *bias = bsym.args
         rows.append(
             LinearReport(
-                name=source_name(trace, w),
-                operation=describe(x, w, bias[0] if bias else bsym.kwargs.get("bias")),
+                name=source_name(trace, bsym.args[1]),
+                operation=operands(*bsym.args, **bsym.kwargs).describe(),
                 recipe="",
                 fallback=rule,
             )

@@ -7,12 +7,15 @@ which Thunder keeps stable across retraces of one function, so freezing or unfre
 its checkpoint recompute share the object.
 
 A ``SyncGroup`` is what one sync symbol flushes: all delayed-scaling states of one direction of
-one trace, updated with one concatenation, at most one all-reduce and one fused update.
+one trace, updated with one concatenation, at most one all-reduce and one fused update. Inside a
+``quantization_update_scope`` the flushes are held back and done once when it exits.
 """
 
 from __future__ import annotations
 
+import contextlib
 import weakref
+from collections.abc import Iterable, Iterator
 from types import ModuleType
 from typing import Any
 
@@ -86,28 +89,76 @@ class SyncGroup:
         return torch.stack([s.scaling(forward=True).scale for s in self.replayed])
 
     def flush(self) -> None:
-        """Reduce every state's current amax and update histories and scales, once."""
-        first = self.states[0]
+        """Update every state of the group once, or record them for the enclosing
+        ``quantization_update_scope`` to update at its exit."""
         if self.forward:
-            group = first.kernels.amax_group()
+            group = self.states[0].kernels.amax_group()
             for s in self.states:
                 s.amax_group = group
+        if _deferred.depth:
+            _deferred.add(self.states, forward=self.forward)
         else:
-            group = first.amax_group
-        scalings = [s.scaling(forward=self.forward) for s in self.states]
-        histories = [sc.amax_history for sc in scalings if sc is not None]
-        scales = [sc.scale for sc in scalings if sc is not None]
-        if not histories:
-            return
-        amax = torch.cat([h[0] for h in histories])
-        if (
-            first.recipe.reduce_amax
-            and torch.distributed.is_available()
-            and torch.distributed.is_initialized()
-            and torch.distributed.get_world_size(group) > 1
-        ):
-            torch.distributed.all_reduce(amax, op=torch.distributed.ReduceOp.MAX, group=group)
-        first.kernels.update_delayed_scaling(amax, histories, scales, first.recipe, forward=self.forward)
+            update_delayed_scaling(self.states, forward=self.forward)
+
+
+def update_delayed_scaling(states: Iterable[LinearQuantState], *, forward: bool) -> None:
+    """Reduce the current amax of every state of one recipe and amax group (one concatenation,
+    at most one all-reduce) and update their histories and scales (one fused update)."""
+    states = [s for s in states if s.scaling(forward=forward) is not None]
+    if not states:
+        return
+    first = states[0]
+    histories = [s.scaling(forward=forward).amax_history for s in states]
+    scales = [s.scaling(forward=forward).scale for s in states]
+    amax = torch.cat([h[0] for h in histories])
+    group = first.amax_group
+    if (
+        first.recipe.reduce_amax
+        and torch.distributed.is_available()
+        and torch.distributed.is_initialized()
+        and torch.distributed.get_world_size(group) > 1
+    ):
+        torch.distributed.all_reduce(amax, op=torch.distributed.ReduceOp.MAX, group=group)
+    first.kernels.update_delayed_scaling(amax, histories, scales, first.recipe, forward=forward)
+
+
+class _Deferred:
+    """States whose updates an open ``quantization_update_scope`` holds back."""
+
+    def __init__(self) -> None:
+        self.depth = 0
+        self.pending: dict[tuple[bool, RecipeSpec, int], dict[int, LinearQuantState]] = {}
+
+    def add(self, states: Iterable[LinearQuantState], *, forward: bool) -> None:
+        for s in states:
+            key = (forward, s.recipe, id(s.amax_group))
+            self.pending.setdefault(key, {})[id(s)] = s
+
+    def flush(self) -> None:
+        pending, self.pending = self.pending, {}
+        for (forward, _, _), states in pending.items():
+            update_delayed_scaling(states.values(), forward=forward)
+
+
+_deferred = _Deferred()
+
+
+@contextlib.contextmanager
+def quantization_update_scope() -> Iterator[None]:
+    """Update delayed-scaling state once, at the end of the block, instead of after every pass.
+
+    For gradient accumulation and other logical backwards made of several autograd calls: the
+    amaxes of every forward and backward inside accumulate (as a running max), and on exit each
+    state is updated once, forward and backward, with one reduction per recipe and amax group.
+    Nested scopes update when the outermost one exits.
+    """
+    _deferred.depth += 1
+    try:
+        yield
+    finally:
+        _deferred.depth -= 1
+        if not _deferred.depth:
+            _deferred.flush()
 
 
 class StateRegistry:

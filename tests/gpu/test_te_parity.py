@@ -45,6 +45,10 @@ def _pair(case: str):
     return model, copy_weights(CASES[case](te_linear), model)
 
 
+def _named(what: str):
+    return lambda default: f"{what}: {default}"
+
+
 def _steps(fn, model, x, recipe):
     """STEPS training steps on a private copy of ``x``: outputs of each, grads of the last."""
     x = x.detach().clone().requires_grad_()
@@ -73,16 +77,13 @@ def test_matches_te_linear_eager_over_steps(recipe_name, case, shape):
     y_bf16, g_bf16, _ = _steps(bf16, bf16, x, recipe=None)
 
     for step, (y, y_te) in enumerate(zip(ys, ys_te, strict=True)):
-        torch.testing.assert_close(y, y_te, **FP8_TOLS, msg=f"output, step {step}")
+        torch.testing.assert_close(y, y_te, **FP8_TOLS, msg=_named(f"output, step {step}"))
     assert sqnr_db(ys[0], y_bf16[0]) > 20.0
-    if case == "all-frozen":
-        assert dx is None and dx_te is None
-        return
     torch.testing.assert_close(dx, dx_te, **FP8_TOLS)
     for name, grad in g.items():
         assert (grad is None) == (g_te[name] is None), name
         if grad is not None:
-            torch.testing.assert_close(grad, g_te[name], **FP8_TOLS, msg=name)
+            torch.testing.assert_close(grad, g_te[name], **FP8_TOLS, msg=_named(name))
             assert sqnr_db(grad, g_bf16[name]) > 8.0, name
 
 
@@ -102,7 +103,7 @@ def test_checkpointed_te_v2_matches_te_linear_without_checkpoint(recipe_name):
         torch.testing.assert_close(y, y_te, **FP8_TOLS)
     torch.testing.assert_close(dx, dx_te, **FP8_TOLS)
     for name, grad in g.items():
-        torch.testing.assert_close(grad, g_te[name], **FP8_TOLS, msg=name)
+        torch.testing.assert_close(grad, g_te[name], **FP8_TOLS, msg=_named(name))
 
 
 def test_with_the_torch_compile_executor_fusing_the_rest():
@@ -119,24 +120,23 @@ def test_with_the_torch_compile_executor_fusing_the_rest():
     torch.testing.assert_close(dx, dx_te, **FP8_TOLS)
     for name, grad in g.items():
         if grad is not None:
-            torch.testing.assert_close(grad, g_te[name], **FP8_TOLS, msg=name)
+            torch.testing.assert_close(grad, g_te[name], **FP8_TOLS, msg=_named(name))
 
 
 def test_fp32_weights_under_torch_autocast_get_their_gradients():
-    """Thunder issue #1966: the weight reaching linear is a bf16 cast; its wgrad must still run."""
+    """Thunder issue #1966: under torch.autocast the weight reaching linear is a bf16 cast; its
+    wgrad must still run. The TE baseline gets the same bf16 casts (te.Linear under autocast would
+    quantize the float32 weight directly, a different rounding)."""
     recipe = _recipes()["delayed"]
-    fp32 = {"factory": lambda i, o, bias: torch.nn.Linear(i, o, bias=bias, device="cuda")}
-    model = Stack([DIM] * 3, **fp32)
-    te_model = copy_weights(
-        Stack([DIM] * 3, factory=lambda i, o, bias: te_linear(i, o, bias, dtype=torch.float32)), model
-    )
+    model = Stack([DIM] * 3, factory=lambda i, o, bias: torch.nn.Linear(i, o, bias=bias, device="cuda"))
+    te_model = copy_weights(Stack([DIM] * 3, factory=te_linear), model)
     x = torch.randn(512, DIM, device="cuda")
     with torch.autocast("cuda", dtype=torch.bfloat16):
         _, g, _ = _steps(jit_te_v2(model), model, x, recipe)
-        _, g_te, _ = _steps(te_model, te_model, x, recipe)
+    _, g_te, _ = _steps(te_model, te_model, x.to(DTYPE), recipe)
     for name, grad in g.items():
         assert grad is not None and grad.dtype == torch.float32, name
-        torch.testing.assert_close(grad, g_te[name], **FP8_TOLS, msg=name)
+        torch.testing.assert_close(grad, g_te[name].float(), **FP8_TOLS, msg=_named(name))
 
 
 def test_freezing_then_unfreezing_keeps_state_like_te_linear():
@@ -155,4 +155,4 @@ def test_freezing_then_unfreezing_keeps_state_like_te_linear():
         for name, grad in g.items():
             assert (grad is None) == (g_te[name] is None), name
             if grad is not None:
-                torch.testing.assert_close(grad, g_te[name], **FP8_TOLS, msg=name)
+                torch.testing.assert_close(grad, g_te[name], **FP8_TOLS, msg=_named(name))

@@ -1,0 +1,161 @@
+"""The once-per-pass flush of delayed-scaling state (reference backend, CPU)."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+
+import pytest
+import thunder
+import torch
+from thunder.core import prims
+from thunder.executors.torch_compile import torch_compile_ex
+from torch.utils.checkpoint import checkpoint
+
+from te_v2_executor import delayed_scaling, explain, make_te_v2, quantization_update_scope
+from te_v2_executor.symbols import BACKWARD_SYNC, FORWARD_SYNC, LINEAR_FWD
+from tests.helpers import backward_trace, bsyms_of, forward_trace
+from tests.models import Stack
+
+DIM, TOKENS = 64, 32
+RECIPE = delayed_scaling(amax_history_len=16)
+
+
+class HalfCheckpointed(torch.nn.Module):
+    """A stack whose first half of linears runs under torch.utils.checkpoint."""
+
+    def __init__(self, n: int, *, use_checkpoint: bool) -> None:
+        super().__init__()
+        half = max(1, n // 2)
+        self.head = Stack([DIM] * (half + 1))
+        self.tail = Stack([DIM] * (n - half + 1)) if n > half else None
+        self.use_checkpoint = use_checkpoint
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = checkpoint(self.head, x, use_reentrant=False) if self.use_checkpoint else self.head(x)
+        return x if self.tail is None else self.tail(torch.relu(x))
+
+
+def _fusers(name: str) -> list:
+    if name == "torch.compile":
+        return [torch_compile_ex]
+    if name == "nvfuser":
+        from thunder.executors.nvfuserex import nvfuserex
+
+        if nvfuserex is None:
+            pytest.skip("nvFuser is not installed (its CUDA 13 wheels need torch 2.10)")
+        return [nvfuserex]
+    return []
+
+
+def _work(trace) -> list:
+    return [b for b in trace.bound_symbols if b.sym not in (prims.python_del, prims.python_return)]
+
+
+@pytest.mark.parametrize("fuser", ["none", "torch.compile", "nvfuser"])
+@pytest.mark.parametrize("use_checkpoint", [False, True], ids=["plain", "checkpoint"])
+@pytest.mark.parametrize("n", [1, 4, 32])
+def test_one_sync_per_pass_after_all_linear_work(n, use_checkpoint, fuser):
+    ex = make_te_v2(backend="reference", recipe=RECIPE)
+    jitted = thunder.jit(HalfCheckpointed(n, use_checkpoint=use_checkpoint), executors=[ex, *_fusers(fuser)])
+    jitted(torch.randn(TOKENS, DIM, requires_grad=True)).sum().backward()
+    fwd, bwd = forward_trace(jitted), backward_trace(jitted)
+
+    (fsync,) = bsyms_of(fwd, FORWARD_SYNC)
+    work = _work(fwd)
+    assert all(work.index(b) < work.index(fsync) for b in bsyms_of(fwd, LINEAR_FWD))
+    assert len(fsync.kwargs["group"].states) == n
+    (bsync,) = bsyms_of(bwd, BACKWARD_SYNC)
+    assert _work(bwd)[-1] is bsync
+    assert len(bsync.kwargs["group"].states) == n
+    assert not bsyms_of(fwd, BACKWARD_SYNC) and not bsyms_of(bwd, FORWARD_SYNC)
+
+
+def _states(jitted) -> dict:
+    return {r.name: r.state for r in explain(jitted).linears}
+
+
+def _history(state, *, forward: bool) -> torch.Tensor:
+    return state.scaling(forward=forward).amax_history
+
+
+def _nonzero_rows(history: torch.Tensor) -> list[int]:
+    return [i for i in range(history.shape[0]) if history[i].any()]
+
+
+def test_each_pass_updates_state_once():
+    jitted = thunder.jit(Stack([DIM] * 3), executors=[make_te_v2(backend="reference", recipe=RECIPE)])
+    x = torch.randn(TOKENS, DIM)
+    for step in range(1, 4):
+        jitted(x).sum().backward()
+        for name, state in _states(jitted).items():
+            for forward in (True, False):
+                # each update rolls the history once and clears the current (first) row
+                assert _nonzero_rows(_history(state, forward=forward)) == list(range(16 - step, 16)), name
+    first = _states(jitted)["linears_0_weight"]
+    assert torch.equal(_history(first, forward=True)[-1, 0], x.abs().amax())
+
+
+def _train(model, x, steps=10):
+    jitted = thunder.jit(model, executors=[make_te_v2(backend="reference", recipe=RECIPE)])
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = jitted(x).square().mean()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return jitted, losses
+
+
+def test_checkpointing_leaves_quantization_state_unchanged():
+    """The recompute quantizes with the original forward's scales and records no amax."""
+    plain = HalfCheckpointed(4, use_checkpoint=False)
+    checkpointed = copy.deepcopy(plain)
+    checkpointed.use_checkpoint = True
+    x = torch.randn(TOKENS, DIM)
+    jitted, losses = _train(plain, x)
+    jitted_ckpt, losses_ckpt = _train(checkpointed, x)
+    assert losses == losses_ckpt
+    states, states_ckpt = _states(jitted), _states(jitted_ckpt)
+    assert states.keys() == states_ckpt.keys()
+    for name in states:
+        for forward in (True, False):
+            a, b = states[name].scaling(forward=forward), states_ckpt[name].scaling(forward=forward)
+            assert torch.equal(a.amax_history, b.amax_history), name
+            assert torch.equal(a.scale, b.scale), name
+    for p, q in zip(plain.parameters(), checkpointed.parameters(), strict=True):
+        assert torch.equal(p, q)
+
+
+def test_update_scope_flushes_once_at_exit():
+    micro_batches = [torch.randn(TOKENS, DIM) for _ in range(4)]
+
+    def run(scoped: bool):
+        jitted = thunder.jit(Stack([DIM] * 3), executors=[make_te_v2(backend="reference", recipe=RECIPE)])
+        with quantization_update_scope() if scoped else contextlib.nullcontext():
+            for mb in micro_batches:
+                jitted(mb).sum().backward()
+            if scoped:  # nothing updated before the scope exits
+                assert not _history(_states(jitted)["linears_0_weight"], forward=True)[1:].any()
+        return _states(jitted)
+
+    scoped, per_pass = run(True), run(False)
+    for name, state in scoped.items():
+        for forward in (True, False):
+            assert _nonzero_rows(_history(state, forward=forward)) == [15], name
+            assert len(_nonzero_rows(_history(per_pass[name], forward=forward))) == 4, name
+    # the one update sees the running max of the four micro-batches' amaxes
+    per_pass_input_amaxes = _history(per_pass["linears_0_weight"], forward=True)[-4:, 0]
+    assert torch.equal(_history(scoped["linears_0_weight"], forward=True)[-1, 0], per_pass_input_amaxes.max())
+
+
+def test_nested_scopes_flush_at_the_outermost_exit():
+    jitted = thunder.jit(Stack([DIM] * 2), executors=[make_te_v2(backend="reference", recipe=RECIPE)])
+    with quantization_update_scope():
+        with quantization_update_scope():
+            jitted(torch.randn(TOKENS, DIM)).sum().backward()
+        state = _states(jitted)["linears_0_weight"]
+        assert _nonzero_rows(_history(state, forward=True)) == [0]
+    assert _nonzero_rows(_history(state, forward=True)) == [15]
