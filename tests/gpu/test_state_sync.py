@@ -25,17 +25,27 @@ def _recipe():
 
 
 class Model(torch.nn.Module):
-    """Four linears with bias; optionally the first two under torch.utils.checkpoint."""
+    """Four linears with bias; the first two run under ``checkpoint_fn(module, x)`` if given."""
 
-    def __init__(self, factory, *, use_checkpoint: bool = False) -> None:
+    def __init__(self, factory, *, checkpoint_fn=None) -> None:
         super().__init__()
         self.head = Stack([DIM] * 3, bias=True, factory=factory)
         self.tail = Stack([DIM] * 3, bias=True, factory=factory)
-        self.use_checkpoint = use_checkpoint
+        self.checkpoint_fn = checkpoint_fn
 
     def forward(self, x):
-        x = checkpoint(self.head, x, use_reentrant=False) if self.use_checkpoint else self.head(x)
+        x = self.checkpoint_fn(self.head, x) if self.checkpoint_fn else self.head(x)
         return self.tail(torch.relu(x))
+
+
+def _torch_checkpoint(fn, x):
+    return checkpoint(fn, x, use_reentrant=False)
+
+
+def _te_checkpoint(fn, x):
+    import transformer_engine.pytorch as te
+
+    return te.checkpoint(fn, x, use_reentrant=False)
 
 
 def _train(fn, model, xs, recipe):
@@ -91,25 +101,23 @@ def test_state_losses_and_weights_match_te_linear_after_ten_steps():
 
 def test_checkpointing_changes_no_state():
     """te_v2's recompute replays the forward's scales and records nothing: checkpointed and plain
-    runs end with equal state. TE eager with torch.utils.checkpoint is only reported: its recompute
-    quantizes with the already-updated scales and records its amaxes again (TE issue #3213)."""
+    runs end with equal state. TE eager's own checkpoint is only reported (TE issue #3213: its
+    recompute can update delayed-scaling state a second time)."""
     recipe = _recipe()
     plain = Model(torch_linear)
     ckpt = copy.deepcopy(plain)
-    ckpt.use_checkpoint = True
+    ckpt.checkpoint_fn = _torch_checkpoint
     xs = [torch.randn(TOKENS, DIM, device="cuda", dtype=DTYPE) for _ in range(STEPS)]
     jitted, jitted_ckpt = jit_te_v2(plain), jit_te_v2(ckpt)
     torch.testing.assert_close(
         _train(jitted, plain, xs, recipe), _train(jitted_ckpt, ckpt, xs, recipe), rtol=0, atol=0
     )
-    states, states_ckpt = _te_v2_states(jitted), _te_v2_states(jitted_ckpt)
-    for (fwd, bwd), (fwd_c, bwd_c) in zip(states, states_ckpt, strict=True):
-        for a, b in ((fwd, fwd_c), (bwd, bwd_c)):
+    for states, states_ckpt in zip(_te_v2_states(jitted), _te_v2_states(jitted_ckpt), strict=True):
+        for a, b in zip(states, states_ckpt, strict=True):
             assert torch.equal(a.amax_history, b.amax_history) and torch.equal(a.scale, b.scale)
 
-    te_plain = copy_weights(Model(te_linear), Model(torch_linear))
-    te_ckpt = copy.deepcopy(te_plain)
-    te_ckpt.use_checkpoint = True
+    te_plain = copy_weights(Model(te_linear), plain)
+    te_ckpt = copy_weights(Model(te_linear, checkpoint_fn=_te_checkpoint), plain)
     _train(te_plain, te_plain, xs, recipe)
     _train(te_ckpt, te_ckpt, xs, recipe)
     same = all(
@@ -117,9 +125,7 @@ def test_checkpointing_changes_no_state():
         for pa, pb in zip(_te_states(te_plain), _te_states(te_ckpt), strict=True)
         for a, b in zip(pa, pb, strict=True)
     )
-    print(
-        f"\nTE eager: torch.utils.checkpoint {'leaves' if same else 'changes'} delayed-scaling state (TE #3213)"
-    )
+    print(f"\nTE eager: te.checkpoint {'leaves' if same else 'changes'} delayed-scaling state (TE #3213)")
 
 
 def _update_kernels(fn, x, recipe) -> int:
