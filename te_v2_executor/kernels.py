@@ -169,32 +169,29 @@ def quantize_grad_output(
     return quantizer(dy2d), dy2d.sum(0) if bgrad else None
 
 
+def _backward_gemm(a: Any, b: Any, recipe: RecipeSpec, *, gemm: str, dtype: torch.dtype) -> torch.Tensor:
+    layout = {"dgrad": "NN", "wgrad": "NT"}[gemm]
+    out, *_ = general_gemm(
+        a,
+        b,
+        out_dtype=dtype,
+        layout=layout,
+        grad=True,
+        use_split_accumulator=_split_accumulator(recipe, gemm),
+    )
+    return out
+
+
 def linear_dgrad(
     dy_q: Any, w_saved: Any, recipe: RecipeSpec, *, input_shape: tuple[int, ...], dtype: torch.dtype
 ) -> torch.Tensor:
     """dx = dy W, from row-wise dy and the column-wise W (TE's "NN" layout)."""
-    dx, *_ = general_gemm(
-        w_saved,
-        dy_q,
-        out_dtype=dtype,
-        layout="NN",
-        grad=True,
-        use_split_accumulator=_split_accumulator(recipe, "dgrad"),
-    )
-    return dx.view(input_shape)
+    return _backward_gemm(w_saved, dy_q, recipe, gemm="dgrad", dtype=dtype).view(input_shape)
 
 
 def linear_wgrad(dy_q: Any, x_saved: Any, recipe: RecipeSpec, *, dtype: torch.dtype) -> torch.Tensor:
     """dW = dy^T x, from the column-wise dy and x (TE's "NT" layout)."""
-    dw, *_ = general_gemm(
-        x_saved,
-        dy_q,
-        out_dtype=dtype,
-        layout="NT",
-        grad=True,
-        use_split_accumulator=_split_accumulator(recipe, "wgrad"),
-    )
-    return dw
+    return _backward_gemm(x_saved, dy_q, recipe, gemm="wgrad", dtype=dtype)
 
 
 def update_delayed_scaling(
