@@ -4,7 +4,7 @@
 VENV ?= .venv
 PY ?= $(VENV)/bin/python
 
-.PHONY: help install test test-gpu explain lint format
+.PHONY: help install test test-gpu explain bench lint format
 
 help:
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -22,6 +22,9 @@ test-gpu: ## the GPU suite (needs CUDA and TransformerEngine); prints kernel cou
 
 explain: ## the main job: compile a small frozen-base model, print per linear what runs and what is saved
 	$(PY) -m te_v2_executor
+
+bench: ## side-by-side benchmark on a GPU with TE: markdown table on stdout, JSON and PNGs in results/
+	$(PY) -m benchmarks.run --out results
 
 lint: ## ruff check and format check
 	$(PY) -m ruff check .

@@ -1,0 +1,89 @@
+"""Measuring one variant on one configuration: step time, peak memory, kernels, TFLOP/s."""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import re
+import statistics
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+GEMM_KERNEL = re.compile(r"gemm|nvjet|xmma|cutlass", re.IGNORECASE)
+
+
+def make_step(
+    fn: Callable, model: torch.nn.Module, x: torch.Tensor, *, fp8: bool, training: bool
+) -> Callable[[], None]:
+    """One step: forward under te.autocast (DelayedScaling) if ``fp8``, backward of sum() if
+    ``training``; gradients are dropped first so every variant allocates them alike."""
+    import transformer_engine.pytorch as te
+    from transformer_engine.common.recipe import DelayedScaling
+
+    recipe = DelayedScaling()
+
+    def step() -> None:
+        model.zero_grad(set_to_none=True)
+        with contextlib.ExitStack() as stack:
+            if not training:
+                stack.enter_context(torch.no_grad())
+            with te.autocast(enabled=fp8, recipe=recipe):
+                y = fn(x)
+        if training:
+            y.sum().backward()
+
+    return step
+
+
+def step_times_ms(step: Callable[[], None], *, warmup: int, steps: int) -> list[float]:
+    for _ in range(warmup):
+        step()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(steps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        step()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return times
+
+
+def peak_memory_above_model(step: Callable[[], None], model: torch.nn.Module) -> int:
+    """Bytes a step allocates at its peak beyond what is live before it (the model, its input)."""
+    model.zero_grad(set_to_none=True)
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    step()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - before
+
+
+def kernels_per_step(step: Callable[[], None]) -> tuple[int, int]:
+    """(GEMM kernels, all kernels) one step launches, from torch.profiler."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return sum(bool(GEMM_KERNEL.search(n)) for n in names), len(names)
+
+
+def measure(
+    step: Callable[[], None], model: torch.nn.Module, *, flops: float, warmup: int, steps: int
+) -> dict[str, Any]:
+    times = step_times_ms(step, warmup=warmup, steps=steps)
+    median = statistics.median(times)
+    gemms, kernels = kernels_per_step(step)
+    return {
+        "step_ms": median,
+        "step_ms_p10_p90": [sorted(times)[len(times) // 10], sorted(times)[-1 - len(times) // 10]],
+        "peak_mib_above_model": peak_memory_above_model(step, model) / 2**20,
+        "gemm_kernels": gemms,
+        "kernels": kernels,
+        "tflops": flops / (median * 1e-3) / 1e12,
+    }

@@ -1,0 +1,174 @@
+"""``make bench``: every variant side by side, in one process and one run, on one GPU.
+
+    python -m benchmarks.run [--suite main|sweeps|all] [--out results]
+
+Prints a markdown table, and writes ``bench.json`` and PNG plots into ``--out``. Needs a CUDA GPU
+with TransformerEngine; exits with status 2 without one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+import traceback
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks import shapes
+from benchmarks.models import SCENARIOS, needed_flops
+from benchmarks.variants import Variant, build, reference_model, variants
+from te_v2_executor import TEv2FallbackWarning, backends
+
+SWEEP_VARIANTS = ("te.Linear eager", "builtin TE + torch.compile", "te_v2 + torch.compile")
+
+
+def configurations(suite: str) -> list[dict[str, Any]]:
+    """(suite, scenario, block kind, tokens, depth) of every measured configuration."""
+    configs = []
+    if suite in ("main", "all"):
+        for scenario in SCENARIOS:
+            for kind in shapes.BLOCKS:
+                configs.append(
+                    dict(
+                        suite="main",
+                        scenario=scenario,
+                        kind=kind,
+                        tokens=shapes.MAIN_TOKENS[0],
+                        depth=shapes.MAIN_BLOCKS,
+                    )
+                )
+        for scenario in ("full", "lora"):
+            configs.append(
+                dict(
+                    suite="main",
+                    scenario=scenario,
+                    kind="mlp",
+                    tokens=shapes.MAIN_TOKENS[1],
+                    depth=shapes.MAIN_BLOCKS,
+                )
+            )
+    if suite in ("sweeps", "all"):
+        for scenario in ("full", "lora"):
+            for tokens in shapes.TOKEN_SWEEP:
+                configs.append(
+                    dict(
+                        suite="tokens", scenario=scenario, kind="mlp", tokens=tokens, depth=shapes.MAIN_BLOCKS
+                    )
+                )
+        for depth in shapes.DEPTH_SWEEP:
+            configs.append(
+                dict(suite="depth", scenario="lora", kind="mlp", tokens=shapes.MAIN_TOKENS[0], depth=depth)
+            )
+    return configs
+
+
+def _progress(total: int):
+    try:
+        from tqdm import tqdm
+
+        return tqdm(total=total, file=sys.stderr, dynamic_ncols=True)
+    except ImportError:
+        return None
+
+
+def run_one(config: dict[str, Any], variant: Variant, *, warmup: int, steps: int) -> dict[str, Any]:
+    from benchmarks.measure import make_step, measure
+
+    training = config["scenario"] != "inference"
+    reference = reference_model(config["kind"], config["depth"], config["scenario"])
+    row = {
+        **config,
+        "variant": variant.name,
+        "config": f"{config['scenario']} {config['kind']} {config['tokens']}",
+    }
+    try:
+        model, fn = build(variant, reference, config["kind"], config["depth"], config["scenario"])
+        del reference
+        x = torch.randn(config["tokens"], shapes.HIDDEN, device="cuda", dtype=torch.bfloat16)
+        flops = needed_flops(model, config["tokens"], training)
+        step = make_step(fn, model, x, fp8=variant.fp8, training=training)
+        row.update(measure(step, model, flops=flops, warmup=warmup, steps=steps))
+        row["fp8_peak_share"] = row["tflops"] / shapes.H200_DENSE_FP8_TFLOPS
+    except Exception as e:  # one failing variant must not lose the rest of the run
+        row["error"] = f"{type(e).__name__}: {e}"
+        traceback.print_exc()
+    finally:
+        gc.collect()
+        torch.cuda.empty_cache()
+    return row
+
+
+def table(results: list[dict[str, Any]]) -> str:
+    """Markdown table; "x TE" is the step time over te.Linear eager's in the same configuration."""
+    eager = {
+        (r["suite"], r["config"], r["depth"]): r.get("step_ms")
+        for r in results
+        if r["variant"] == "te.Linear eager"
+    }
+    lines = [
+        "| suite | config | blocks | variant | step ms | x TE | peak MiB above model | GEMMs/step | kernels/step | TFLOP/s | % FP8 peak |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in results:
+        if "error" in r:
+            lines.append(
+                f"| {r['suite']} | {r['config']} | {r['depth']} | {r['variant']} | failed: {r['error'][:60]} | | | | | | |"
+            )
+            continue
+        base = eager.get((r["suite"], r["config"], r["depth"]))
+        ratio = f"{r['step_ms'] / base:.2f}" if base else ""
+        lines.append(
+            f"| {r['suite']} | {r['config']} | {r['depth']} | {r['variant']} | {r['step_ms']:.2f} | {ratio} | "
+            f"{r['peak_mib_above_model']:.0f} | {r['gemm_kernels']} | {r['kernels']} | {r['tflops']:.0f} | {100 * r['fp8_peak_share']:.1f} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="te_v2 benchmark")
+    parser.add_argument("--suite", choices=("main", "sweeps", "all"), default="all")
+    parser.add_argument("--out", type=Path, default=Path("results"))
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=20)
+    args = parser.parse_args(argv)
+    if not (torch.cuda.is_available() and backends.te_available()):
+        reason = "no CUDA device" if not torch.cuda.is_available() else backends.te_import_error()
+        print(
+            f"make bench needs a CUDA GPU with TransformerEngine ({reason}); nothing was measured.",
+            file=sys.stderr,
+        )
+        return 2
+    warnings.simplefilter("ignore", TEv2FallbackWarning)
+    jobs = [(c, v) for c in configurations(args.suite) for v in variants(lora=c["scenario"] == "lora")]
+    jobs = [(c, v) for c, v in jobs if c["suite"] == "main" or v.name in SWEEP_VARIANTS]
+    bar = _progress(len(jobs))
+    results = []
+    for config, variant in jobs:
+        if bar is not None:
+            bar.set_description(
+                f"{config['suite']} {config['scenario']} {config['kind']} {config['tokens']}x{config['depth']} {variant.name}"
+            )
+        results.append(run_one(config, variant, warmup=args.warmup, steps=args.steps))
+        if bar is not None:
+            bar.update()
+    if bar is not None:
+        bar.close()
+    args.out.mkdir(parents=True, exist_ok=True)
+    device = torch.cuda.get_device_name()
+    (args.out / "bench.json").write_text(json.dumps({"device": device, "results": results}, indent=1))
+    print(f"# te_v2 benchmark on {device} (DelayedScaling, bf16, median of {args.steps} steps)\n")
+    print(table(results))
+    from benchmarks.plots import write_plots
+
+    for path in write_plots(results, args.out):
+        print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

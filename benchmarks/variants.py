@@ -1,0 +1,76 @@
+"""The variants compared: how each one turns the benchmark model into a step function."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import thunder
+import torch
+
+from benchmarks.models import Blocks, linear_factories
+from te_v2_executor import ClaimPolicy, make_te_v2, te_v2
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    fp8: bool  # runs under te.autocast
+    linear: str  # "torch" or "te": what the base linears are
+    compile: Callable[[torch.nn.Module], Callable] | None  # None: eager
+
+
+def _fusers() -> dict[str, list]:
+    from thunder.executors.nvfuserex import nvfuserex
+    from thunder.executors.torch_compile import torch_compile_ex
+
+    fusers = {"": [], " + torch.compile": [torch_compile_ex]}
+    if nvfuserex is not None:
+        fusers[" + nvFuser"] = [nvfuserex]
+    return fusers
+
+
+def _builtin(fusers: list) -> Callable:
+    from thunder.executors.transformer_engineex import TransformerEngineTransform, transformer_engine_ex
+
+    return lambda m: thunder.jit(
+        m, executors=[transformer_engine_ex, *fusers], transforms=[TransformerEngineTransform()]
+    )
+
+
+def _te_v2(fusers: list, executor=te_v2) -> Callable:
+    return lambda m: thunder.jit(m, executors=[executor, *fusers])
+
+
+def variants(*, lora: bool) -> list[Variant]:
+    """Every variant, Thunder ones with and without each fusion executor installed."""
+    found = [Variant("torch bf16 eager", False, "torch", None), Variant("te.Linear eager", True, "te", None)]
+    for suffix, fusers in _fusers().items():
+        found.append(Variant(f"builtin TE{suffix}", True, "torch", _builtin(fusers)))
+        found.append(Variant(f"te_v2{suffix}", True, "torch", _te_v2(fusers)))
+    if lora:  # the claim policy, measured: rank-16 adapters left in BF16 instead of FP8
+        bf16_adapters = make_te_v2(claim=ClaimPolicy(min_features=64))
+        found.append(
+            Variant(
+                "te_v2 + torch.compile, adapters BF16",
+                True,
+                "torch",
+                _te_v2(_fusers()[" + torch.compile"], bf16_adapters),
+            )
+        )
+    return found
+
+
+def build(
+    variant: Variant, reference: Blocks, kind: str, depth: int, scenario: str
+) -> tuple[torch.nn.Module, Callable]:
+    """The variant's model (weights copied from ``reference``) and its step function."""
+    model = Blocks(kind, depth, scenario, linear_factories()[variant.linear])
+    model.load_state_dict(reference.state_dict())
+    return model, model if variant.compile is None else variant.compile(model)
+
+
+def reference_model(kind: str, depth: int, scenario: str) -> Blocks:
+    """The weights every variant of one configuration starts from."""
+    torch.manual_seed(0)
+    return Blocks(kind, depth, scenario, linear_factories()["torch"])
