@@ -66,7 +66,10 @@ def build(
 ) -> tuple[torch.nn.Module, Callable]:
     """The variant's model (weights copied from ``reference``) and its step function."""
     model = Blocks(kind, depth, scenario, linear_factories()[variant.linear])
-    model.load_state_dict(reference.state_dict())
+    weights = dict(reference.named_parameters())
+    with torch.no_grad():  # by parameter, as te.Linear's state_dict also holds FP8 metadata
+        for name, p in model.named_parameters():
+            p.copy_(weights[name])
     return model, model if variant.compile is None else variant.compile(model)
 
 
