@@ -41,13 +41,6 @@ def is_recompute(bsym: BoundSymbol) -> bool:
     return bsym.sym is LINEAR_FWD and BoundSymbolTag.BACKWARD in bsym.tags
 
 
-def _with_flags(bsym: BoundSymbol, flags: dict[str, bool], always_kept: tuple = ()) -> BoundSymbol:
-    """``bsym`` with its flag kwargs set; its outputs, one per flag, dropped where False."""
-    outputs = bsym.output[: len(flags)]
-    kept = tuple(o if keep else None for o, keep in zip(outputs, flags.values(), strict=True))
-    return bsym.from_bsym(kwargs={**bsym.kwargs, **flags}, output=(*kept, *always_kept))
-
-
 def rewrite_for_consumption(trace: TraceCtx) -> TraceCtx:
     """Make every te_v2 forward and dy quantization produce only what is consumed."""
     consumers = utils.consumers(trace)
@@ -59,24 +52,23 @@ def rewrite_for_consumption(trace: TraceCtx) -> TraceCtx:
     for bsym in trace.bound_symbols:
         if bsym.sym is LINEAR_FWD:
             y, x_saved, w_saved, amax_ready = bsym.output
-            flags = {
-                "compute_output": bool(readers(y)),
-                "save_input": bool(readers(x_saved)),
-                "save_weight": bool(readers(w_saved)),
-            }
-            bsym = _with_flags(bsym, flags, always_kept=(amax_ready,))
+            keep_y, keep_x, keep_w = bool(readers(y)), bool(readers(x_saved)), bool(readers(w_saved))
+            bsym = bsym.from_bsym(
+                kwargs={**bsym.kwargs, "compute_output": keep_y, "save_input": keep_x, "save_weight": keep_w},
+                output=(
+                    y if keep_y else None,
+                    x_saved if keep_x else None,
+                    w_saved if keep_w else None,
+                    amax_ready,
+                ),
+            )
         elif bsym.sym is QUANTIZE_GRAD_OUTPUT:
             dy_q, dbias = bsym.output
             gemms = {r.sym for r in readers(dy_q)}
-            rowwise, columnwise = LINEAR_DGRAD in gemms, LINEAR_WGRAD in gemms
+            rowwise, columnwise, bgrad = LINEAR_DGRAD in gemms, LINEAR_WGRAD in gemms, bool(readers(dbias))
             bsym = bsym.from_bsym(
-                kwargs={
-                    **bsym.kwargs,
-                    "rowwise": rowwise,
-                    "columnwise": columnwise,
-                    "bgrad": bool(readers(dbias)),
-                },
-                output=(dy_q if rowwise or columnwise else None, dbias if readers(dbias) else None),
+                kwargs={**bsym.kwargs, "rowwise": rowwise, "columnwise": columnwise, "bgrad": bgrad},
+                output=(dy_q if rowwise or columnwise else None, dbias if bgrad else None),
             )
         new_bsyms.append(bsym)
     new_trace = from_trace(trace)

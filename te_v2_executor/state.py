@@ -177,9 +177,6 @@ class StateRegistry:
             found = self._states[key] = LinearQuantState(key, name, recipe, backend)
         return found
 
-    def states(self) -> list[LinearQuantState]:
-        return list(self._states.values())
-
 
 _registries: weakref.WeakKeyDictionary[Any, StateRegistry] = weakref.WeakKeyDictionary()
 _unowned = StateRegistry()
