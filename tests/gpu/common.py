@@ -54,15 +54,20 @@ def train_step(fn: Callable, x: torch.Tensor, recipe) -> torch.Tensor:
     return y
 
 
-def gemm_kernels_per_step(fn: Callable, x: torch.Tensor, recipe, *, warmup: int = 2) -> tuple[int, list[str]]:
-    """GEMM kernels one forward+backward step launches (torch.profiler), and all kernel names."""
+def kernels_per_step(fn: Callable, x: torch.Tensor, recipe, *, warmup: int = 2) -> list[str]:
+    """Names of the CUDA kernels one ``train_step`` launches (torch.profiler), after warm-up."""
     for _ in range(warmup):
         train_step(fn, x, recipe)
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         train_step(fn, x, recipe)
         torch.cuda.synchronize()
-    names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+def gemm_kernels_per_step(fn: Callable, x: torch.Tensor, recipe) -> tuple[int, list[str]]:
+    """GEMM kernels one forward+backward step launches, and all kernel names."""
+    names = kernels_per_step(fn, x, recipe)
     return sum(bool(GEMM_KERNEL.search(n)) for n in names), names
 
 

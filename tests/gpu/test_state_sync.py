@@ -10,7 +10,15 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from te_v2_executor import explain, quantization_update_scope
-from tests.gpu.common import DTYPE, FP8_TOLS, jit_te_v2, requires_te_gpu, te_linear, torch_linear
+from tests.gpu.common import (
+    DTYPE,
+    FP8_TOLS,
+    jit_te_v2,
+    kernels_per_step,
+    requires_te_gpu,
+    te_linear,
+    torch_linear,
+)
 from tests.models import Stack, copy_weights
 
 pytestmark = requires_te_gpu
@@ -132,31 +140,11 @@ def test_checkpointing_changes_no_state():
     print(f"\nTE eager: te.checkpoint {'leaves' if same else 'changes'} delayed-scaling state (TE #3213)")
 
 
-def _update_kernels(fn, x, recipe) -> int:
-    import transformer_engine.pytorch as te
-
-    for _ in range(2):
-        with te.autocast(enabled=True, recipe=recipe):
-            y = fn(x)
-        y.float().sum().backward()
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        with te.autocast(enabled=True, recipe=recipe):
-            y = fn(x)
-        y.float().sum().backward()
-        torch.cuda.synchronize()
-    return sum(
-        "amax_and_scale_update" in e.name
-        for e in prof.events()
-        if e.device_type == torch.autograd.DeviceType.CUDA
-    )
-
-
 @pytest.mark.parametrize("n", [1, 4, 32])
 def test_one_update_kernel_per_pass_whatever_the_number_of_linears(n):
     model = Stack([DIM] * (n + 1), factory=torch_linear)
     x = torch.randn(TOKENS, DIM, device="cuda", dtype=DTYPE, requires_grad=True)
-    count = _update_kernels(jit_te_v2(model), x, _recipe())
+    count = sum("amax_and_scale_update" in name for name in kernels_per_step(jit_te_v2(model), x, _recipe()))
     print(f"\n[{n} linears] amax/scale update kernels per step: te_v2 {count}")
     assert count == 2  # one for the forward flush, one for the backward flush
 
