@@ -104,12 +104,13 @@ class SyncGroup:
 def update_delayed_scaling(states: Iterable[LinearQuantState], *, forward: bool) -> None:
     """Reduce the current amax of every state of one recipe and amax group (one concatenation,
     at most one all-reduce) and update their histories and scales (one fused update)."""
-    states = [s for s in states if s.scaling(forward=forward) is not None]
-    if not states:
+    used = [(s, s.scaling(forward=forward)) for s in states]
+    used = [(s, scaling) for s, scaling in used if scaling is not None]
+    if not used:
         return
-    first = states[0]
-    histories = [s.scaling(forward=forward).amax_history for s in states]
-    scales = [s.scaling(forward=forward).scale for s in states]
+    first = used[0][0]
+    histories = [scaling.amax_history for _, scaling in used]
+    scales = [scaling.scale for _, scaling in used]
     amax = torch.cat([h[0] for h in histories])
     group = first.amax_group
     if (
