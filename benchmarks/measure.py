@@ -76,12 +76,12 @@ def kernels_per_step(step: Callable[[], None]) -> tuple[int, int]:
 def measure(
     step: Callable[[], None], model: torch.nn.Module, *, flops: float, warmup: int, steps: int
 ) -> dict[str, Any]:
-    times = step_times_ms(step, warmup=warmup, steps=steps)
+    times = sorted(step_times_ms(step, warmup=warmup, steps=steps))
     median = statistics.median(times)
     gemms, kernels = kernels_per_step(step)
     return {
         "step_ms": median,
-        "step_ms_p10_p90": [sorted(times)[len(times) // 10], sorted(times)[-1 - len(times) // 10]],
+        "step_ms_p10_p90": [times[len(times) // 10], times[-1 - len(times) // 10]],
         "peak_mib_above_model": peak_memory_above_model(step, model) / 2**20,
         "gemm_kernels": gemms,
         "kernels": kernels,
