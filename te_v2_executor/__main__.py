@@ -20,7 +20,7 @@ class FrozenBaseModel(nn.Module):
     """A frozen input projection, two frozen MLP layers with trainable rank-16 LoRA adapters,
     and a trainable output head with bias."""
 
-    def __init__(self, dim: int = 256, rank: int = 16) -> None:
+    def __init__(self, dim: int = 1024, rank: int = 16) -> None:
         super().__init__()
         self.proj = nn.Linear(dim, dim, bias=False)
         self.base = nn.ModuleList(nn.Linear(dim, dim, bias=False) for _ in range(2))
@@ -51,9 +51,9 @@ def main(argv: list[str] | None = None) -> None:
     model = FrozenBaseModel().to(device=device, dtype=dtype)
     executor = make_te_v2(backend=backend)
     jitted = thunder.jit(model, executors=[executor])
-    x = torch.randn(args.tokens, 256, device=device, dtype=dtype)
+    x = torch.randn(args.tokens, model.proj.in_features, device=device, dtype=dtype)
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", TEv2FallbackWarning)  # the report lists fallbacks
+        warnings.simplefilter("ignore", TEv2FallbackWarning)  # the report lists every fallback
         loss = jitted(x).float().square().mean()
         loss.backward()
     print(f"te_v2 backend: {backend} ({device}, {str(dtype).removeprefix('torch.')}), {args.tokens} tokens")

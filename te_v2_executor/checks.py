@@ -1,7 +1,9 @@
 """Pure predicates: can te_v2 run this linear, and if not, which rule says no.
 
 Each check returns the empty string when the linear passes, or the rule it breaks, phrased so a
-fallback warning can quote it. Nothing here reads global state or warns.
+fallback warning or the explain report can quote it. Capability rules say what te_v2 cannot run
+(a user should hear about those); the claim policy says what it chooses not to run. Nothing here
+reads global state or warns.
 """
 
 from __future__ import annotations
@@ -87,21 +89,21 @@ def _check_shapes(op: LinearOperands, recipe: RecipeSpec) -> str:
     return ""
 
 
-def _check_policy(op: LinearOperands, policy: ClaimPolicy) -> str:
+def policy_rule_broken(op: LinearOperands, policy: ClaimPolicy) -> str:
+    """Why the claim policy leaves ``op`` on Thunder's default path by choice, or "" if it does not."""
     smallest = min(op.w_shape)
     if smallest < policy.min_features:
         return f"claim policy: min(in_features, out_features)={smallest} is below min_features={policy.min_features}, too small to gain from FP8"
     return ""
 
 
-def linear_rule_broken(op: LinearOperands, recipe: RecipeSpec, backend: Backend, policy: ClaimPolicy) -> str:
-    """The first rule ``op`` breaks for te_v2 with ``recipe`` on ``backend``, or "" if none."""
+def capability_rule_broken(op: LinearOperands, recipe: RecipeSpec, backend: Backend) -> str:
+    """The first rule that stops te_v2 from running ``op`` with ``recipe`` on ``backend``, or ""."""
     for reason in (
         _check_device(op, backend),
         _check_dtypes(op),
         _check_recipe(op, recipe, backend),
         _check_shapes(op, recipe),
-        _check_policy(op, policy),
     ):
         if reason:
             return reason

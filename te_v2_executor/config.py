@@ -7,17 +7,22 @@ from dataclasses import dataclass, field
 from te_v2_executor.backends import Backend
 from te_v2_executor.recipes import RecipeSpec
 
+# Chosen by measurement (docs/performance.md, "Claim policy"): on an H200, LoRA adapters of rank
+# 16 to 256 on Llama-3-8B MLPs made the step faster in BF16 than in FP8, whose quantization
+# passes cost more than FP8 GEMMs save on so thin a matmul.
+DEFAULT_MIN_FEATURES = 512
+
 
 @dataclass(frozen=True)
 class ClaimPolicy:
-    """Which eligible linears te_v2 takes.
+    """Which linears TE could run te_v2 takes.
 
     ``min_features``: a linear whose in- or out-features are below it stays on Thunder's default
-    path (matmuls that small, such as rank-16 LoRA adapters, lose more to quantization than FP8
-    GEMMs gain). 0 claims every linear TE can run.
+    path, by choice: no warning, a "claim policy" fallback in ``explain``. 0 claims every linear
+    TE can run.
     """
 
-    min_features: int = 0
+    min_features: int = DEFAULT_MIN_FEATURES
 
 
 @dataclass(frozen=True)

@@ -59,15 +59,18 @@ class TEv2Executor(FusionExecutor):
 
     def fusion_pass(self, trace: TraceCtx) -> TraceCtx:
         """Analyse the joint trace: trim forwards and dy quantizations to what the backward
-        consumes, insert the state flushes, report fallbacks once, and record the report."""
+        consumes, insert the state flushes, warn once per fallback te_v2 could not avoid (the
+        claim policy's choices are only reported), and record the report."""
         compile_data = get_compile_data()
         fallbacks = []
         for bsym in trace.bound_symbols:
             if _is_unclaimed_linear(bsym):
-                rule = self.lowering.rule_broken(*bsym.args, **bsym.kwargs) or "another executor claimed it"
+                rule, by_policy = self.lowering.rule_broken(*bsym.args, **bsym.kwargs)
+                rule = rule or "another executor claimed it"
                 fallbacks.append((bsym, rule))
-                desc = operands(*bsym.args, **bsym.kwargs).describe()
-                _warn_once(f"te_v2: linear {desc} runs on Thunder's default path: {rule}")
+                if not by_policy:
+                    desc = operands(*bsym.args, **bsym.kwargs).describe()
+                    _warn_once(f"te_v2: linear {desc} runs on Thunder's default path: {rule}")
         new_trace = analysis.rewrite_for_consumption(trace)
         grad_enabled = compile_data.is_grad_enabled if compile_data is not None else True
         new_trace = analysis.insert_syncs(new_trace, grad_enabled=grad_enabled)

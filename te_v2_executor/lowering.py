@@ -69,13 +69,21 @@ class LinearLowering:
         self.config = config
         self.guard = RecipeGuard()
 
-    def rule_broken(self, x: TensorProxy, w: TensorProxy, bias: TensorProxy | None = None) -> str:
-        """The rule that keeps this linear off te_v2, or "" when te_v2 can run it."""
-        recipe = active_recipe(self.config.recipe)
-        return checks.linear_rule_broken(operands(x, w, bias), recipe, self.config.backend, self.config.claim)
+    def rule_broken(
+        self, x: TensorProxy, w: TensorProxy, bias: TensorProxy | None = None
+    ) -> tuple[str, bool]:
+        """The rule that keeps this linear off te_v2 ("" when te_v2 runs it), and whether it is
+        the claim policy's choice rather than something te_v2 cannot run."""
+        op = operands(x, w, bias)
+        rule = checks.capability_rule_broken(op, active_recipe(self.config.recipe), self.config.backend)
+        if rule:
+            return rule, False
+        rule = checks.policy_rule_broken(op, self.config.claim)
+        return rule, bool(rule)
 
     def checker(self, x: TensorProxy, w: TensorProxy, bias: TensorProxy | None = None) -> bool:
-        return not self.rule_broken(x, w, bias)
+        rule, _ = self.rule_broken(x, w, bias)
+        return not rule
 
     def _state(self, x: TensorProxy, w: TensorProxy) -> LinearQuantState:
         registry = registry_for(get_compile_data())

@@ -7,12 +7,14 @@ import torch
 
 from te_v2_executor import executor as executor_module
 from te_v2_executor import make_te_v2
+from tests.helpers import CLAIM_ALL
 
 
 @pytest.fixture
 def reference_te_v2():
-    """A te_v2 executor on the plain-torch reference backend, following te.autocast."""
-    return make_te_v2(backend="reference")
+    """A te_v2 executor on the plain-torch reference backend, following te.autocast, claiming
+    every linear it can run."""
+    return make_te_v2(backend="reference", claim=CLAIM_ALL)
 
 
 @pytest.fixture(autouse=True)

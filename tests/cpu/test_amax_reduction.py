@@ -21,6 +21,7 @@ def _rank_main(rank: int, port: int, results) -> None:
     import thunder
 
     from te_v2_executor import delayed_scaling, explain, make_te_v2
+    from tests.helpers import CLAIM_ALL
     from tests.models import Stack
 
     dist.init_process_group("gloo", rank=rank, world_size=WORLD, init_method=f"tcp://127.0.0.1:{port}")
@@ -36,7 +37,10 @@ def _rank_main(rank: int, port: int, results) -> None:
         torch.manual_seed(0)
         model = Stack([64] * 4)
         jitted = thunder.jit(
-            model, executors=[make_te_v2(backend="reference", recipe=delayed_scaling(amax_history_len=4))]
+            model,
+            executors=[
+                make_te_v2(backend="reference", claim=CLAIM_ALL, recipe=delayed_scaling(amax_history_len=4))
+            ],
         )
         x = torch.randn(32, 64) * (rank + 1)  # rank 1's amaxes are larger
         jitted(x).sum().backward()

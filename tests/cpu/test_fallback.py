@@ -11,6 +11,7 @@ import thunder
 import torch
 
 from te_v2_executor import ClaimPolicy, TEv2FallbackWarning, backends, explain, make_te_v2, te_v2
+from te_v2_executor.config import DEFAULT_MIN_FEATURES
 from te_v2_executor.symbols import LINEAR_FWD
 from tests.helpers import bsyms_of, forward_trace
 from tests.models import LoRAStack, Stack, grads
@@ -60,17 +61,38 @@ def test_unsupported_dtype_falls_back(reference_te_v2):
         _train_step(model, [reference_te_v2], torch.randn(32, 64, dtype=torch.float64))
 
 
-def test_claim_policy_keeps_small_adapters_off_fp8():
-    ex = make_te_v2(backend="reference", claim=ClaimPolicy(min_features=32))
-    with pytest.warns(TEv2FallbackWarning, match="min_features=32"):
-        jitted = _train_step(LoRAStack([64, 64], rank=16), [ex], torch.randn(32, 64))
-    claimed = {r.name: r.claimed for r in explain(jitted).linears}
-    assert claimed == {
+def test_default_claim_policy_keeps_rank_16_adapters_in_bf16_without_a_warning():
+    dim = max(64, DEFAULT_MIN_FEATURES)
+    model = LoRAStack([dim, dim], rank=16)
+    eager = copy.deepcopy(model)
+    x = torch.randn(32, dim)
+    eager(x).sum().backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", TEv2FallbackWarning)  # a choice, not a limitation
+        jitted = _train_step(model, [make_te_v2(backend="reference")], x)
+    rows = {r.name: r for r in explain(jitted).linears}
+    assert {name: r.claimed for name, r in rows.items()} == {
         "layers_0_base_weight": True,
         "layers_0_lora_a_weight": False,
         "layers_0_lora_b_weight": False,
     }
-    assert "fallback" in str(explain(jitted))
+    assert rows["layers_0_lora_a_weight"].fallback.startswith(
+        "claim policy: min(in_features, out_features)=16"
+    )
+    assert "runs on Thunder's default path: claim policy" in str(explain(jitted))
+    # the adapters' gradients are Thunder's plain float32 ones; the base is frozen
+    for name in ("layers.0.lora_a.weight", "layers.0.lora_b.weight"):
+        assert grads(model)[name] is not None
+    assert grads(model)["layers.0.base.weight"] is None
+
+
+def test_claim_policy_is_configurable():
+    ex = make_te_v2(backend="reference", claim=ClaimPolicy(min_features=128))
+    jitted = _train_step(LoRAStack([64, 64], rank=16), [ex], torch.randn(32, 64))
+    assert not any(r.claimed for r in explain(jitted).linears)
+    ex = make_te_v2(backend="reference", claim=ClaimPolicy(min_features=0))
+    jitted = _train_step(LoRAStack([64, 64], rank=16), [ex], torch.randn(32, 64))
+    assert all(r.claimed for r in explain(jitted).linears)
 
 
 @pytest.mark.skipif(backends.te_available(), reason="TransformerEngine is installed here")

@@ -14,7 +14,7 @@ import thunder
 import torch
 
 from te_v2_executor import block_scaling, current_scaling, delayed_scaling, make_te_v2
-from tests.helpers import eager_emulation, sqnr_db
+from tests.helpers import CLAIM_ALL, eager_emulation, sqnr_db
 from tests.models import Checkpointed, LoRAStack, SharedWeight, Stack, every_even, grads
 
 RECIPES = {
@@ -64,7 +64,7 @@ def test_matches_eager_emulation_and_tracks_float32(recipe, case, shape):
     model = _models(dim)[case]()
     x = torch.randn(*((4, 32) if shape == "3d" else (128,)), dim, requires_grad=True)
 
-    ex = make_te_v2(backend="reference", recipe=RECIPES[recipe])
+    ex = make_te_v2(backend="reference", claim=CLAIM_ALL, recipe=RECIPES[recipe])
     y, g, dx = _run(model, x, executors=[ex])
     y_emu, g_emu, dx_emu = _run(copy.deepcopy(model), x, emulate=RECIPES[recipe])
     y_ref, g_ref, dx_ref = _run(copy.deepcopy(model), x)

@@ -14,7 +14,7 @@ from torch.utils.checkpoint import checkpoint
 
 from te_v2_executor import delayed_scaling, explain, make_te_v2, quantization_update_scope
 from te_v2_executor.symbols import BACKWARD_SYNC, FORWARD_SYNC, LINEAR_FWD
-from tests.helpers import backward_trace, bsyms_of, forward_trace
+from tests.helpers import CLAIM_ALL, backward_trace, bsyms_of, forward_trace
 from tests.models import Stack
 
 DIM, TOKENS = 64, 32
@@ -56,7 +56,7 @@ def _work(trace) -> list:
 @pytest.mark.parametrize("use_checkpoint", [False, True], ids=["plain", "checkpoint"])
 @pytest.mark.parametrize("n", [1, 4, 32])
 def test_one_sync_per_pass_after_all_linear_work(n, use_checkpoint, fuser):
-    ex = make_te_v2(backend="reference", recipe=RECIPE)
+    ex = make_te_v2(backend="reference", claim=CLAIM_ALL, recipe=RECIPE)
     jitted = thunder.jit(HalfCheckpointed(n, use_checkpoint=use_checkpoint), executors=[ex, *_fusers(fuser)])
     jitted(torch.randn(TOKENS, DIM, requires_grad=True)).sum().backward()
     fwd, bwd = forward_trace(jitted), backward_trace(jitted)
@@ -84,7 +84,9 @@ def _nonzero_rows(history: torch.Tensor) -> list[int]:
 
 
 def test_each_pass_updates_state_once():
-    jitted = thunder.jit(Stack([DIM] * 3), executors=[make_te_v2(backend="reference", recipe=RECIPE)])
+    jitted = thunder.jit(
+        Stack([DIM] * 3), executors=[make_te_v2(backend="reference", claim=CLAIM_ALL, recipe=RECIPE)]
+    )
     x = torch.randn(TOKENS, DIM)
     for step in range(1, 4):
         jitted(x).sum().backward()
@@ -97,7 +99,7 @@ def test_each_pass_updates_state_once():
 
 
 def _train(model, x, steps=10):
-    jitted = thunder.jit(model, executors=[make_te_v2(backend="reference", recipe=RECIPE)])
+    jitted = thunder.jit(model, executors=[make_te_v2(backend="reference", claim=CLAIM_ALL, recipe=RECIPE)])
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     losses = []
     for _ in range(steps):
@@ -133,7 +135,9 @@ def test_update_scope_flushes_once_at_exit():
     micro_batches = [torch.randn(TOKENS, DIM) for _ in range(4)]
 
     def run(scoped: bool):
-        jitted = thunder.jit(Stack([DIM] * 3), executors=[make_te_v2(backend="reference", recipe=RECIPE)])
+        jitted = thunder.jit(
+            Stack([DIM] * 3), executors=[make_te_v2(backend="reference", claim=CLAIM_ALL, recipe=RECIPE)]
+        )
         with quantization_update_scope() if scoped else contextlib.nullcontext():
             for mb in micro_batches:
                 jitted(mb).sum().backward()
@@ -152,7 +156,9 @@ def test_update_scope_flushes_once_at_exit():
 
 
 def test_nested_scopes_flush_at_the_outermost_exit():
-    jitted = thunder.jit(Stack([DIM] * 2), executors=[make_te_v2(backend="reference", recipe=RECIPE)])
+    jitted = thunder.jit(
+        Stack([DIM] * 2), executors=[make_te_v2(backend="reference", claim=CLAIM_ALL, recipe=RECIPE)]
+    )
     with quantization_update_scope():
         with quantization_update_scope():
             jitted(torch.randn(TOKENS, DIM)).sum().backward()

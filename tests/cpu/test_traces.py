@@ -17,7 +17,7 @@ from te_v2_executor.symbols import (
     LINEAR_WGRAD,
     QUANTIZE_GRAD_OUTPUT,
 )
-from tests.helpers import backward_trace, bsyms_of, forward_trace
+from tests.helpers import CLAIM_ALL, backward_trace, bsyms_of, forward_trace
 from tests.models import Checkpointed, LoRAStack, Stack, every_even
 
 DIM = 64
@@ -148,7 +148,7 @@ def test_delayed_scaling_flushes_once_per_pass_at_the_end(reference_te_v2):
 
 
 def test_stateless_recipes_have_no_sync():
-    ex = make_te_v2(backend="reference", recipe=current_scaling())
+    ex = make_te_v2(backend="reference", claim=CLAIM_ALL, recipe=current_scaling())
     jitted = _step(Stack([DIM] * 3), [ex], torch.randn(TOKENS, DIM, requires_grad=True))
     for trace in (forward_trace(jitted), backward_trace(jitted)):
         assert not bsyms_of(trace, FORWARD_SYNC) and not bsyms_of(trace, BACKWARD_SYNC)

@@ -6,8 +6,9 @@ import pytest
 import thunder
 import torch
 
-from te_v2_executor import RecipeSpec, Scaling, TEv2FallbackWarning, explain, make_te_v2, te_v2
-from tests.gpu.common import DTYPE, requires_te_gpu, torch_linear, train_step
+from te_v2_executor import RecipeSpec, Scaling, TEv2FallbackWarning, explain, make_te_v2
+from tests.gpu.common import DTYPE, jit_te_v2, requires_te_gpu, torch_linear, train_step
+from tests.helpers import CLAIM_ALL
 from tests.models import Stack
 
 pytestmark = requires_te_gpu
@@ -16,8 +17,7 @@ pytestmark = requires_te_gpu
 def test_a_recipe_change_takes_effect_on_the_next_call():
     import transformer_engine.common.recipe as te_recipe
 
-    model = Stack([256] * 3, factory=torch_linear)
-    jitted = thunder.jit(model, executors=[te_v2])
+    jitted = jit_te_v2(Stack([256] * 3, factory=torch_linear))
     x = torch.randn(128, 256, device="cuda", dtype=DTYPE)
     train_step(jitted, x, te_recipe.DelayedScaling())
     assert {r.recipe for r in explain(jitted).linears} == {"delayed"}
@@ -29,14 +29,13 @@ def test_a_recipe_change_takes_effect_on_the_next_call():
 
 
 def test_outside_te_autocast_delayed_scaling_is_used():
-    model = Stack([256] * 2, factory=torch_linear)
-    jitted = thunder.jit(model, executors=[te_v2])
+    jitted = jit_te_v2(Stack([256] * 2, factory=torch_linear))
     jitted(torch.randn(128, 256, device="cuda", dtype=DTYPE)).sum().backward()
     assert explain(jitted).linears[0].recipe == "delayed"
 
 
 def test_cpu_tensors_fall_back_with_the_rule():
-    jitted = thunder.jit(Stack([64, 64]), executors=[te_v2])
+    jitted = jit_te_v2(Stack([64, 64]))
     with pytest.warns(TEv2FallbackWarning, match="CUDA tensors only"):
         jitted(torch.randn(32, 64)).sum().backward()
 
@@ -44,7 +43,7 @@ def test_cpu_tensors_fall_back_with_the_rule():
 def test_mxfp8_is_claimed_only_on_blackwell():
     if torch.cuda.get_device_capability() >= (10, 0):
         pytest.skip("this GPU is Blackwell: MXFP8 is claimed here")
-    ex = make_te_v2(recipe=RecipeSpec(scaling=Scaling.MXFP8, fp8_format="E4M3"))
+    ex = make_te_v2(recipe=RecipeSpec(scaling=Scaling.MXFP8, fp8_format="E4M3"), claim=CLAIM_ALL)
     jitted = thunder.jit(Stack([256, 256], factory=torch_linear), executors=[ex])
     with pytest.warns(TEv2FallbackWarning, match="need a Blackwell GPU"):
         jitted(torch.randn(128, 256, device="cuda", dtype=DTYPE)).sum().backward()

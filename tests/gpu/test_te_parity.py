@@ -156,3 +156,39 @@ def test_freezing_then_unfreezing_keeps_state_like_te_linear():
             assert (grad is None) == (g_te[name] is None), name
             if grad is not None:
                 torch.testing.assert_close(grad, g_te[name], **FP8_TOLS, msg=_named(name))
+
+
+def test_default_te_v2_keeps_lora_adapters_in_bf16_like_te_eager_with_torch_adapters():
+    """The default claim policy: base linears in FP8, rank-16 adapters on Thunder's BF16 path, no
+    warning; numerically that is te.Linear bases with plain nn.Linear adapters, as PEFT builds."""
+    import warnings
+
+    import thunder
+
+    from te_v2_executor import TEv2FallbackWarning, explain, te_v2
+    from te_v2_executor.config import DEFAULT_MIN_FEATURES
+
+    def by_policy(i: int, o: int, bias: bool) -> torch.nn.Module:
+        return (te_linear if min(i, o) >= DEFAULT_MIN_FEATURES else torch_linear)(i, o, bias)
+
+    dim = max(DIM, DEFAULT_MIN_FEATURES)
+    model = LoRAStack([dim] * 3, rank=16, factory=torch_linear)
+    te_model = copy_weights(LoRAStack([dim] * 3, rank=16, factory=by_policy), model)
+    x = torch.randn(512, dim, device="cuda", dtype=DTYPE, requires_grad=True)
+    recipe = _recipes()["delayed"]
+    jitted = thunder.jit(model, executors=[te_v2])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", TEv2FallbackWarning)
+        ys, g, dx = _steps(jitted, model, x, recipe)
+    ys_te, g_te, dx_te = _steps(te_model, te_model, x, recipe)
+    claimed = {r.name: r.claimed for r in explain(jitted).linears}
+    assert claimed == {
+        f"layers_{i}_{p}_weight": p == "base" for i in range(2) for p in ("base", "lora_a", "lora_b")
+    }
+    for y, y_te in zip(ys, ys_te, strict=True):
+        torch.testing.assert_close(y, y_te, **FP8_TOLS)
+    torch.testing.assert_close(dx, dx_te, **FP8_TOLS)
+    for name, grad in g.items():
+        assert (grad is None) == (g_te[name] is None), name
+        if grad is not None:
+            torch.testing.assert_close(grad, g_te[name], **FP8_TOLS, msg=_named(name))
