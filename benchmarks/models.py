@@ -13,7 +13,7 @@ SCENARIOS = ("full", "lora", "alternate-frozen", "inference")
 
 
 class Adapted(nn.Module):
-    """A linear, plus a rank-16 LoRA update B(A(x)) when ``rank`` is set (base then frozen)."""
+    """A linear, plus a LoRA update B(A(x)) when ``rank`` is set (base then frozen)."""
 
     def __init__(self, in_f: int, out_f: int, factory: Callable, rank: int | None) -> None:
         super().__init__()
@@ -37,10 +37,12 @@ class Blocks(nn.Module):
     """``depth`` blocks of ``kind``; LoRA adapters on every linear (the adapters stay plain
     nn.Linear in every variant, as PEFT adds them)."""
 
-    def __init__(self, kind: str, depth: int, scenario: str, factory: Callable) -> None:
+    def __init__(
+        self, kind: str, depth: int, scenario: str, factory: Callable, *, rank: int = LORA_RANK
+    ) -> None:
         super().__init__()
         self.kind = kind
-        rank = LORA_RANK if scenario == "lora" else None
+        rank = rank if scenario == "lora" else None
         self.layers = nn.ModuleList(
             Adapted(i, o, factory, rank) for _ in range(depth) for i, o in BLOCKS[kind]
         )
@@ -52,10 +54,11 @@ class Blocks(nn.Module):
             self.requires_grad_(False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for first, second in zip(self.layers[::2], self.layers[1::2], strict=True):
-            h = first(x)
+        # by index: slicing a ModuleList inside thunder.jit intermittently fails to trace
+        for i in range(0, len(self.layers), 2):
+            h = self.layers[i](x)
             h = torch.nn.functional.gelu(h) if self.kind == "mlp" else h[..., :HIDDEN]
-            x = second(h)
+            x = self.layers[i + 1](h)
         return x
 
 
