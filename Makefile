@@ -4,7 +4,7 @@
 VENV ?= .venv
 PY ?= $(VENV)/bin/python
 
-.PHONY: help install test test-gpu explain bench lint format
+.PHONY: help install test test-gpu explain bench bench-ddp lint format
 
 help:
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -23,8 +23,11 @@ test-gpu: ## the GPU suite (needs CUDA and TransformerEngine); prints kernel cou
 explain: ## the main job: compile a small frozen-base model, print per linear what runs and what is saved
 	$(PY) -m te_v2_executor
 
-bench: ## side-by-side benchmark on a GPU with TE: markdown table on stdout, JSON and PNGs in results/
-	$(PY) -m benchmarks.run --out results
+bench: ## side-by-side benchmark on a GPU with TE: markdown table on stdout, JSON and PNGs in results/ (its ddp suite needs 2 GPUs, skipped on 1)
+	$(PY) -m benchmarks.run --suite all --out results
+
+bench-ddp: ## only the 2-GPU DDP suite (torchrun): table on stdout, JSON and PNG in results/ddp/
+	$(PY) -m benchmarks.run --suite ddp --out results/ddp
 
 lint: ## ruff check and format check
 	$(PY) -m ruff check .

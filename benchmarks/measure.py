@@ -15,10 +15,17 @@ GEMM_KERNEL = re.compile(r"gemm|nvjet|xmma|cutlass", re.IGNORECASE)
 
 
 def make_step(
-    fn: Callable, model: torch.nn.Module, x: torch.Tensor, *, fp8: bool, training: bool
+    fn: Callable,
+    model: torch.nn.Module,
+    x: torch.Tensor,
+    *,
+    fp8: bool,
+    training: bool,
+    amax_group: Any = None,
 ) -> Callable[[], None]:
     """One step: forward under te.autocast (DelayedScaling) if ``fp8``, backward of sum() if
-    ``training``; gradients are dropped first so every variant allocates them alike."""
+    ``training``; gradients are dropped first so every variant allocates them alike.
+    ``amax_group``: te.autocast's amax reduction group (None: its default)."""
     import transformer_engine.pytorch as te
     from transformer_engine.common.recipe import DelayedScaling
 
@@ -29,7 +36,7 @@ def make_step(
         with contextlib.ExitStack() as stack:
             if not training:
                 stack.enter_context(torch.no_grad())
-            with te.autocast(enabled=fp8, recipe=recipe):
+            with te.autocast(enabled=fp8, recipe=recipe, amax_reduction_group=amax_group):
                 y = fn(x)
         if training:
             y.sum().backward()
@@ -64,12 +71,17 @@ def peak_memory_above_model(step: Callable[[], None], model: torch.nn.Module) ->
     return torch.cuda.max_memory_allocated() - before
 
 
-def kernels_per_step(step: Callable[[], None]) -> tuple[int, int]:
-    """(GEMM kernels, all kernels) one step launches, from torch.profiler."""
+def kernel_names(step: Callable[[], None]) -> list[str]:
+    """The names of the kernels one step launches, from torch.profiler."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         step()
         torch.cuda.synchronize()
-    names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+def kernels_per_step(step: Callable[[], None]) -> tuple[int, int]:
+    """(GEMM kernels, all kernels) one step launches."""
+    names = kernel_names(step)
     return sum(bool(GEMM_KERNEL.search(n)) for n in names), len(names)
 
 

@@ -58,7 +58,8 @@ def _sweep(rows: list[dict[str, Any]], axis: str, path: Path) -> None:
 
 
 def write_plots(results: list[dict[str, Any]], out: Path) -> list[Path]:
-    """Step time and memory per variant for the main configurations, and the two sweeps."""
+    """Step time and memory per variant for the main configurations, DDP step time, and the two
+    sweeps."""
     written = []
     main = [r for r in results if r["suite"] == "main"]
     if main:
@@ -68,6 +69,10 @@ def write_plots(results: list[dict[str, Any]], out: Path) -> list[Path]:
         ):
             _bars(main, metric, label, out / name)
             written.append(out / name)
+    ddp = [r for r in results if r["suite"] == "ddp"]
+    if ddp:
+        _bars(ddp, "step_ms", "DDP step time (ms)", out / "ddp_step_time.png")
+        written.append(out / "ddp_step_time.png")
     for suite, axis in (("tokens", "tokens"), ("depth", "depth")):
         rows = [r for r in results if r["suite"] == suite]
         if rows:

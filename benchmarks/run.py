@@ -1,9 +1,10 @@
 """``make bench``: every variant side by side, in one process and one run, on one GPU.
 
-    python -m benchmarks.run [--suite main|sweeps|all] [--out results]
+    python -m benchmarks.run [--suite main|sweeps|ddp|all] [--out results]
 
 Prints a markdown table, and writes ``bench.json`` and PNG plots into ``--out``. Needs a CUDA GPU
-with TransformerEngine; exits with status 2 without one.
+with TransformerEngine; exits with status 2 without one. The ddp suite (in ``all``) runs
+``benchmarks.ddp`` on 2 GPUs through torchrun, and is skipped with a message on fewer.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any
 
 import torch
 
-from benchmarks import shapes
+from benchmarks import ddp, shapes
 from benchmarks.models import SCENARIOS, needed_flops
 from benchmarks.variants import Variant, build, reference_model, variants
 from te_v2_executor import TEv2FallbackWarning, backends
@@ -131,10 +132,11 @@ def table(results: list[dict[str, Any]]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="te_v2 benchmark")
-    parser.add_argument("--suite", choices=("main", "sweeps", "all"), default="all")
+    parser.add_argument("--suite", choices=("main", "sweeps", "ddp", "all"), default="all")
     parser.add_argument("--out", type=Path, default=Path("results"))
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--ddp-timeout", type=float, default=1200, help="seconds the ddp suite may take")
     args = parser.parse_args(argv)
     if not (torch.cuda.is_available() and backends.te_available()):
         reason = "no CUDA device" if not torch.cuda.is_available() else backends.te_import_error()
@@ -159,10 +161,30 @@ def main(argv: list[str] | None = None) -> int:
     if bar is not None:
         bar.close()
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.suite in ("ddp", "all"):
+        gpus = torch.cuda.device_count()
+        if gpus >= ddp.WORLD_SIZE:
+            gc.collect()
+            torch.cuda.empty_cache()
+            results += ddp.launch(args.out, warmup=args.warmup, steps=args.steps, timeout_s=args.ddp_timeout)
+        else:
+            print(
+                f"ddp suite skipped: it needs {ddp.WORLD_SIZE} GPUs, this machine has {gpus}.",
+                file=sys.stderr,
+            )
+    if not results:
+        print("nothing was measured.", file=sys.stderr)
+        return 2
     device = torch.cuda.get_device_name()
     (args.out / "bench.json").write_text(json.dumps({"device": device, "results": results}, indent=1))
     print(f"# te_v2 benchmark on {device} (DelayedScaling, bf16, median of {args.steps} steps)\n")
     print(table(results))
+    if collectives := ddp.collectives_table(results):
+        print(
+            "\nDDP rows: step time, TFLOP/s and % FP8 peak are per GPU and per rank's "
+            f"{shapes.MAIN_TOKENS[0]} tokens; NCCL kernels per step on rank 0:\n"
+        )
+        print(collectives)
     from benchmarks.plots import write_plots
 
     for path in write_plots(results, args.out):
