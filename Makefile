@@ -4,7 +4,7 @@
 VENV ?= .venv
 PY ?= $(VENV)/bin/python
 
-.PHONY: help install test test-gpu explain bench bench-ddp lint format
+.PHONY: help install test test-gpu test-distributed explain bench bench-ddp lint format
 
 help:
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -19,6 +19,9 @@ test: ## the whole suite: CPU tests run, GPU tests are collected and skipped wit
 
 test-gpu: ## the GPU suite (needs CUDA and TransformerEngine); prints kernel counts and saved bytes
 	$(PY) -m pytest -q -rA -s -m gpu tests/gpu
+
+test-distributed: ## the 2-GPU suite: torchrun, DDP / FSDP / torch DDP, amax all-reduce and GEMM counts (needs 2 GPUs with TE)
+	$(PY) -m pytest -q -rA -s -m distributed tests/distributed
 
 explain: ## the main job: compile a small frozen-base model, print per linear what runs and what is saved
 	$(PY) -m te_v2_executor

@@ -1,0 +1,196 @@
+"""te_v2 under data parallelism, two ranks launched by torchrun (see ``worker.py``).
+
+On two CUDA GPUs with TransformerEngine (``make test-distributed``): NCCL, the TE backend under
+``te.autocast`` with a custom amax reduction group. On CPU: gloo and the reference backend, the
+same scenarios and checks (no autocast there: amaxes reduce over the default group).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from te_v2_executor import backends
+from tests.distributed.worker import STEPS
+from tests.gpu.common import FP8_TOLS
+
+WORLD = 2
+WRAPPERS = ("thunder_ddp", "fsdp_zero2", "fsdp_zero3", "torch_ddp")
+SCENARIOS = [f"{w}-{m}" for w in WRAPPERS for m in ("full", "lora")]
+ROOT = Path(__file__).resolve().parents[2]
+LAUNCH_TIMEOUT_S = 480
+
+_two_gpus = torch.cuda.is_available() and torch.cuda.device_count() >= WORLD and backends.te_available()
+DEVICES = [
+    pytest.param("cpu", id="cpu-gloo-reference"),
+    pytest.param(
+        "cuda",
+        id="cuda-nccl-te",
+        marks=[
+            pytest.mark.distributed,
+            pytest.mark.skipif(
+                not _two_gpus,
+                reason=f"needs {WORLD} CUDA GPUs with TransformerEngine (run `make test-distributed` on such a machine)",
+            ),
+        ],
+    ),
+]
+# GEMMs one step needs (x needs no grad): full, 3 linears: 3 forward, 3 wgrad, 2 dgrad; LoRA,
+# 2 layers of frozen base + adapters A, B: 6 forward, 4 adapter wgrads, 4 dgrads (B of both,
+# A and base of the second layer), no base wgrad.
+NEEDED_GEMMS = {"full": 3 + 3 + 2, "lora": 6 + 4 + 4}
+LINEARS = {"full": 3, "lora": 6}
+# amax_history and scale per direction a linear quantizes in: forward for each; backward (dy)
+# for each but the LoRA model's first base, which runs neither dgrad nor wgrad
+QUANT_STATE_TENSORS = {"full": 2 * (3 + 3), "lora": 2 * (6 + 5)}
+
+
+def torchrun(out: Path, device: str, *scenarios: str, timeout_s: float = LAUNCH_TIMEOUT_S):
+    """Run the worker on WORLD ranks; the completed process (stdout and stderr merged)."""
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={WORLD}",
+        "-m",
+        "tests.distributed.worker",
+        "--out",
+        str(out),
+        "--device",
+        device,
+        *scenarios,
+    ]
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    return subprocess.run(
+        command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s, check=False
+    )
+
+
+@functools.cache
+def _results(device: str, out: str) -> dict[str, list[dict]]:
+    scenarios = [*SCENARIOS, *(["builtin_ddp-full"] if device == "cuda" else [])]
+    done = torchrun(Path(out), device, *scenarios)
+    assert done.returncode == 0, f"torchrun failed:\n{done.stdout[-4000:]}\n{done.stderr[-8000:]}"
+    return {
+        s: [torch.load(Path(out) / f"{s}.rank{r}.pt", weights_only=False) for r in range(WORLD)]
+        for s in scenarios
+    }
+
+
+class Results:
+    """The per-rank results of every scenario, from one torchrun launch per device kind."""
+
+    def __init__(self, device: str, out: Path) -> None:
+        self.device = device
+        self._found = _results(device, str(out))
+
+    def __getitem__(self, scenario: str) -> list[dict]:
+        ranks = self._results[scenario]
+        for rank, r in enumerate(ranks):
+            if "error" in r:
+                pytest.fail(f"{scenario} raised on rank {rank}:\n{r['error']}")
+        return ranks
+
+
+@pytest.fixture(params=DEVICES, scope="module")
+def results(request, tmp_path_factory) -> Results:
+    return Results(request.param, tmp_path_factory.mktemp(f"dist-{request.param}"))
+
+
+def _shard(full: torch.Tensor, local: torch.Tensor, rank: int) -> torch.Tensor:
+    """The rows of ``full`` rank ``rank`` holds under FSDP (dim 0 split evenly), or ``full``."""
+    if local.shape == full.shape:
+        return full
+    rows = local.shape[0]
+    return full[rank * rows : (rank + 1) * rows]
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_weights_and_losses_match_a_single_process_run(results, scenario):
+    for rank, r in enumerate(results[scenario]):
+        losses, reference = torch.stack(r["losses"]), torch.stack(r["reference_losses"])
+        assert losses.shape == (STEPS,)
+        torch.testing.assert_close(losses, reference, **FP8_TOLS)
+        assert set(r["weights"]) == set(r["reference_weights"])
+        for name, w in r["weights"].items():
+            ref = _shard(r["reference_weights"][name], w, rank)
+            torch.testing.assert_close(w.float(), ref.float(), **FP8_TOLS, msg=lambda m, n=name: f"{n}: {m}")
+    assert losses[-1] < losses[0], "training did not reduce the loss: the comparison would be vacuous"
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_quantization_state_is_identical_on_every_rank(results, scenario):
+    first, *others = (r["quant_state"] for r in results[scenario])
+    kind = scenario.split("-")[1]
+    assert len(first) == QUANT_STATE_TENSORS[kind], sorted(first)
+    for other in others:
+        assert first.keys() == other.keys()
+        for key, value in first.items():
+            assert torch.equal(value, other[key]), key
+    assert any(v.abs().sum() > 0 for k, v in first.items() if k.endswith("amax_history"))
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_two_amax_all_reduces_per_step_whatever_the_number_of_linears(results, scenario):
+    device = results.device
+    # on CUDA the te.autocast group is a custom one and must be the one used; the reference
+    # backend has no autocast and reduces over the default group
+    group = "amax group" if device == "cuda" else "other group"
+    for r in results[scenario]:
+        assert r["amax_all_reduces"] == [{group: 2}] * STEPS
+
+
+def test_builtin_te_executor_reduces_amaxes_twice_per_linear(results):
+    device = results.device
+    if device != "cuda":
+        pytest.skip("Thunder's built-in TE executor needs CUDA and TransformerEngine")
+    for r in results["builtin_ddp-full"]:
+        # per linear, forward and backward; over the default group, whatever autocast was given
+        assert r["amax_all_reduces"] == [{"other group": 2 * LINEARS["full"]}] * STEPS
+    ours = results["thunder_ddp-lora"][0]["amax_all_reduces"][-1]
+    theirs = results["builtin_ddp-full"][0]["amax_all_reduces"][-1]
+    print(
+        f"\namax all-reduces per step: te_v2 {ours} for {LINEARS['lora']} linears, "
+        f"built-in TE executor {theirs} for {LINEARS['full']} linears"
+    )
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_frozen_weights_run_no_wgrad_on_any_rank(results, scenario):
+    device = results.device
+    kind = scenario.split("-")[1]
+    for r in results[scenario]:
+        wgrad = {name: wgrad for name, claimed, _, wgrad in r["report"] if claimed}
+        assert len(wgrad) == LINEARS[kind], r["report_text"]
+        for name, runs in wgrad.items():
+            assert runs is ("base" not in name), (
+                f"{name}: wgrad {'runs' if runs else 'missing'}\n{r['report_text']}"
+            )
+        if device == "cuda":
+            assert r["gemm_kernels"] == NEEDED_GEMMS[kind], r["gemm_kernels"]
+    if device == "cuda":
+        print(
+            f"\n[{scenario}] GEMM kernels per step on each rank: {[r['gemm_kernels'] for r in results[scenario]]}"
+        )
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_rank_that_raises_fails_the_run_with_its_error(device, tmp_path):
+    start = time.monotonic()
+    done = torchrun(tmp_path, device, "fail", timeout_s=300)
+    elapsed = time.monotonic() - start
+    output = done.stdout + done.stderr
+    assert done.returncode != 0
+    # torchrun names the failing rank as the root cause, with the exception it raised
+    root_cause = output[output.index("Root Cause") :]
+    assert "rank      : 1" in root_cause, output[-4000:]
+    assert "RuntimeError: Expected w.shape=" in root_cause, output[-4000:]
+    print(f"\n[{device}] a failing rank ended the run in {elapsed:.0f} s (exit code {done.returncode})")

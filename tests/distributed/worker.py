@@ -1,0 +1,265 @@
+"""One rank of the distributed suite, launched by torchrun from ``test_distributed.py``.
+
+    torchrun --nproc_per_node=2 -m tests.distributed.worker --out DIR [--device cpu] SCENARIO...
+
+A scenario is ``<wrapper>-<model>``: wrapper ``thunder_ddp``, ``fsdp_zero2``, ``fsdp_zero3``,
+``torch_ddp`` (torch's DistributedDataParallel around the ``thunder.jit`` module) or
+``builtin_ddp`` (Thunder's built-in TE executor under ``thunder_ddp``, for contrast); model
+``full`` (every linear trained) or ``lora`` (frozen base, trainable rank-16 adapters). Each
+rank trains STEPS SGD steps on its slice of one global batch, after a single-process run of the
+same model on the whole batch, and writes what the tests compare to ``DIR/<scenario>.rank<r>.pt``.
+Scenario ``fail`` makes rank 1 raise in its forward while rank 0 waits in a collective.
+
+On CUDA it runs te_v2 on TransformerEngine under ``te.autocast`` with a custom amax reduction
+group; with ``--device cpu`` on gloo and the reference backend (no autocast: the default group).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import sys
+import traceback
+from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import thunder
+import thunder.distributed as tdist
+import torch
+import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from te_v2_executor import delayed_scaling, explain, make_te_v2
+from tests.helpers import CLAIM_ALL
+from tests.models import LoRAStack, Stack
+
+DIM, TOKENS_PER_RANK, STEPS, LR = 256, 128, 5, 1e-3
+GEMM_KERNEL_NAMES = ("gemm", "nvjet", "xmma", "cutlass")
+
+
+class Run:
+    """What one rank needs to build and step its models."""
+
+    def __init__(self, device: str) -> None:
+        self.cuda = device == "cuda"
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.device = (
+            torch.device("cuda", int(os.environ["LOCAL_RANK"])) if self.cuda else torch.device("cpu")
+        )
+        # a group of its own, so the amax all-reduces are told apart from the gradients'
+        self.amax_group = dist.new_group(ranks=list(range(self.world)))
+        self.amax_calls: Counter = Counter()
+
+    def model(self, kind: str) -> torch.nn.Module:
+        """The same weights on every rank."""
+        torch.manual_seed(0)
+        dtype = torch.bfloat16 if self.cuda else torch.float32
+        make = {"full": lambda: Stack([DIM] * 4), "lora": lambda: LoRAStack([DIM] * 3, rank=16)}[kind]
+        return make().to(self.device, dtype)
+
+    def global_batch(self) -> list[torch.Tensor]:
+        """STEPS global batches, the same on every rank."""
+        gen = torch.Generator().manual_seed(1)
+        dtype = torch.bfloat16 if self.cuda else torch.float32
+        return [
+            torch.randn(TOKENS_PER_RANK * self.world, DIM, generator=gen).to(self.device, dtype)
+            for _ in range(STEPS)
+        ]
+
+    def executors(self, builtin: bool = False, *, distributed: bool) -> dict[str, Any]:
+        """``thunder.jit`` arguments; the single-process reference reduces no amax."""
+        if builtin:
+            from thunder.executors.transformer_engineex import (
+                TransformerEngineTransform,
+                transformer_engine_ex,
+            )
+
+            return {"executors": [transformer_engine_ex], "transforms": [TransformerEngineTransform()]}
+        recipe = None if self.cuda else delayed_scaling(amax_history_len=4, reduce_amax=distributed)
+        return {
+            "executors": [
+                make_te_v2(backend="te" if self.cuda else "reference", claim=CLAIM_ALL, recipe=recipe)
+            ]
+        }
+
+    @contextmanager
+    def fp8(self, *, distributed: bool) -> Iterator[None]:
+        if not self.cuda:
+            yield
+            return
+        import transformer_engine.pytorch as te
+        from transformer_engine.common.recipe import DelayedScaling
+
+        recipe = DelayedScaling(amax_history_len=4, reduce_amax=distributed)
+        with te.autocast(
+            enabled=True, recipe=recipe, amax_reduction_group=self.amax_group if distributed else None
+        ):
+            yield
+
+    @contextmanager
+    def counting_amax_all_reduces(self) -> Iterator[None]:
+        """Counts all_reduce(MAX) calls on the amax group (te_v2 and TE both reduce amaxes so)."""
+        original = dist.all_reduce
+
+        def counting(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
+            if op == dist.ReduceOp.MAX:
+                self.amax_calls["amax group" if group is self.amax_group else "other group"] += 1
+            return original(tensor, op=op, group=group, async_op=async_op)
+
+        dist.all_reduce = counting
+        try:
+            yield
+        finally:
+            dist.all_reduce = original
+
+
+def train(
+    fn: Callable, params: Callable[[], list[torch.nn.Parameter]], batches, run: Run, *, distributed: bool
+):
+    """STEPS steps of SGD on ``fn``; the loss of each, and the amax all-reduces of each.
+
+    The loss sums over tokens, so dy is the same on a rank's slice as in the single-process run
+    (a mean would scale it by the world size and quantize it differently); the single-process
+    step divides by the world size as the data-parallel gradient averaging does."""
+    lr = LR if distributed else LR / run.world
+    losses, calls = [], []
+    for x in batches:
+        run.amax_calls.clear()
+        with run.fp8(distributed=distributed):
+            loss = fn(x).float().square().sum()
+        loss.backward()
+        with torch.no_grad():
+            for p in params():
+                if p.grad is not None:
+                    p -= lr * p.grad
+                    p.grad = None
+        losses.append(loss.detach().cpu())
+        calls.append(dict(run.amax_calls))
+    return losses, calls
+
+
+def wrap(wrapper: str, model: torch.nn.Module, run: Run) -> tuple[Callable, Any, Callable]:
+    """(callable to step, the ThunderModule whose traces explain reads, its parameters)."""
+    builtin = wrapper == "builtin_ddp"
+    jitted = thunder.jit(model, **run.executors(builtin, distributed=True))
+    if wrapper in ("thunder_ddp", "builtin_ddp"):
+        module = tdist.ddp(jitted)
+        return module, module, lambda: list(module.parameters())
+    if wrapper.startswith("fsdp"):
+        strategy = tdist.FSDPType.ZERO2 if wrapper == "fsdp_zero2" else tdist.FSDPType.ZERO3
+        module = tdist.fsdp(jitted, device=run.device, sharding_strategy=strategy)
+        return module, module, lambda: list(module.parameters())
+    assert wrapper == "torch_ddp", wrapper
+    ddp = torch.nn.parallel.DistributedDataParallel(
+        jitted, device_ids=[run.device.index] if run.cuda else None, broadcast_buffers=False
+    )
+    return ddp, jitted, lambda: list(jitted.parameters())
+
+
+def gemm_kernels_per_step(fn: Callable, x: torch.Tensor, run: Run) -> int:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        with run.fp8(distributed=True):
+            loss = fn(x).float().square().mean()
+        loss.backward()
+        torch.cuda.synchronize()
+    names = [e.name.lower() for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return sum(any(k in n for k in GEMM_KERNEL_NAMES) for n in names)
+
+
+def quant_state(module: Any) -> dict[str, Any]:
+    """Every te_v2 linear's amax histories and scales, both directions."""
+    found = {}
+    for r in explain(module).linears:
+        if not r.claimed:
+            continue
+        for direction, forward in (("fwd", True), ("bwd", False)):
+            scaling = r.state.scaling(forward=forward)
+            if scaling is not None:
+                found[f"{r.name}.{direction}.amax_history"] = scaling.amax_history.detach().cpu().clone()
+                found[f"{r.name}.{direction}.scale"] = scaling.scale.detach().cpu().clone()
+    return found
+
+
+def scenario(name: str, run: Run, out: Path) -> None:
+    wrapper, kind = name.split("-")
+    batches = run.global_batch()
+    mine = slice(run.rank * TOKENS_PER_RANK, (run.rank + 1) * TOKENS_PER_RANK)
+    result: dict[str, Any] = {"rank": run.rank, "world": run.world}
+
+    if wrapper != "builtin_ddp":
+        reference = run.model(kind)
+        ref_fn = thunder.jit(reference, **run.executors(distributed=False))
+        result["reference_losses"], _ = train(
+            ref_fn, lambda: list(reference.parameters()), batches, run, distributed=False
+        )
+        result["reference_weights"] = {n: p.detach().cpu() for n, p in reference.named_parameters()}
+
+    model = run.model(kind)
+    fn, module, params = wrap(wrapper, model, run)
+    with run.counting_amax_all_reduces():
+        losses, calls = train(fn, params, [x[mine] for x in batches], run, distributed=True)
+    gathered = [None] * run.world
+    dist.all_gather_object(gathered, losses)
+    result["losses"] = [torch.stack(per_rank).sum(0) for per_rank in zip(*gathered, strict=True)]
+    result["amax_all_reduces"] = calls
+    result["weights"] = {n: p.detach().cpu() for n, p in module.named_parameters()}
+    if wrapper != "builtin_ddp":
+        result["quant_state"] = quant_state(module)
+        result["report"] = [(r.name, r.claimed, r.dgrad, r.wgrad) for r in explain(module).linears]
+        result["report_text"] = str(explain(module))
+    if run.cuda:
+        result["gemm_kernels"] = gemm_kernels_per_step(fn, batches[0][mine], run)
+    torch.save(result, out / f"{name}.rank{run.rank}.pt")
+
+
+def fail(run: Run) -> None:
+    """Rank 1 feeds a batch of the wrong width; rank 0 goes on into the step's collectives."""
+    fn, _, _ = wrap("thunder_ddp", run.model("full"), run)
+    width = DIM + 16 if run.rank == 1 else DIM
+    x = torch.randn(TOKENS_PER_RANK, width, device=run.device, dtype=next(fn.parameters()).dtype)
+    with run.fp8(distributed=True):
+        loss = fn(x).float().square().mean()
+    loss.backward()
+    dist.barrier()
+
+
+@record  # a failing rank's exception becomes torchrun's reported root cause
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("scenarios", nargs="+")
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--timeout-s", type=float, default=120.0)
+    args = parser.parse_args(argv)
+    timeout = datetime.timedelta(seconds=args.timeout_s)
+    if args.device == "cuda":
+        local = int(os.environ["LOCAL_RANK"])
+        torch.cuda.set_device(local)
+        dist.init_process_group("nccl", timeout=timeout, device_id=torch.device("cuda", local))
+    else:
+        dist.init_process_group("gloo", timeout=timeout)
+    run = Run(args.device)
+    args.out.mkdir(parents=True, exist_ok=True)
+    try:
+        for name in args.scenarios:
+            if name == "fail":
+                fail(run)
+                continue
+            try:
+                scenario(name, run, args.out)
+            except Exception:  # recorded for its tests; the next scenario still runs
+                traceback.print_exc()
+                torch.save({"error": traceback.format_exc()}, args.out / f"{name}.rank{run.rank}.pt")
+            dist.barrier()
+            print(f"[rank {run.rank}] {name}: done", file=sys.stderr, flush=True)
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
