@@ -7,7 +7,6 @@ same scenarios and checks (no autocast there: amaxes reduce over the default gro
 
 from __future__ import annotations
 
-import functools
 import os
 import subprocess
 import sys
@@ -74,26 +73,18 @@ def torchrun(out: Path, device: str, *scenarios: str, timeout_s: float = LAUNCH_
     )
 
 
-@functools.cache
-def _results(device: str, out: str) -> dict[str, list[dict]]:
-    scenarios = [*SCENARIOS, *(["builtin_ddp-full"] if device == "cuda" else [])]
-    done = torchrun(Path(out), device, *scenarios)
-    assert done.returncode == 0, f"torchrun failed:\n{done.stdout[-4000:]}\n{done.stderr[-8000:]}"
-    return {
-        s: [torch.load(Path(out) / f"{s}.rank{r}.pt", weights_only=False) for r in range(WORLD)]
-        for s in scenarios
-    }
-
-
 class Results:
     """The per-rank results of every scenario, from one torchrun launch per device kind."""
 
     def __init__(self, device: str, out: Path) -> None:
         self.device = device
-        self._found = _results(device, str(out))
+        self.out = out
+        self.launch = torchrun(out, device, *SCENARIOS, *(["builtin_ddp-full"] if device == "cuda" else []))
 
     def __getitem__(self, scenario: str) -> list[dict]:
-        ranks = self._results[scenario]
+        if self.launch.returncode != 0:
+            pytest.fail(f"torchrun failed:\n{self.launch.stdout[-4000:]}\n{self.launch.stderr[-8000:]}")
+        ranks = [torch.load(self.out / f"{scenario}.rank{r}.pt", weights_only=False) for r in range(WORLD)]
         for rank, r in enumerate(ranks):
             if "error" in r:
                 pytest.fail(f"{scenario} raised on rank {rank}:\n{r['error']}")
