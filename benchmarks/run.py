@@ -130,6 +130,10 @@ def table(results: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def _write_json(out: Path, device: str, results: list[dict[str, Any]]) -> None:
+    (out / "bench.json").write_text(json.dumps({"device": device, "results": results}, indent=1))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="te_v2 benchmark")
     parser.add_argument("--suite", choices=("main", "sweeps", "ddp", "all"), default="all")
@@ -150,17 +154,19 @@ def main(argv: list[str] | None = None) -> int:
     jobs = [(c, v) for c, v in jobs if c["suite"] == "main" or v.name in SWEEP_VARIANTS]
     bar = _progress(len(jobs))
     results = []
+    args.out.mkdir(parents=True, exist_ok=True)
+    device = torch.cuda.get_device_name()
     for config, variant in jobs:
         if bar is not None:
             bar.set_description(
                 f"{config['suite']} {config['scenario']} {config['kind']} {config['tokens']}x{config['depth']} {variant.name}"
             )
         results.append(run_one(config, variant, warmup=args.warmup, steps=args.steps))
+        _write_json(args.out, device, results)  # rows measured so far survive an interrupted run
         if bar is not None:
             bar.update()
     if bar is not None:
         bar.close()
-    args.out.mkdir(parents=True, exist_ok=True)
     if args.suite in ("ddp", "all"):
         gpus = torch.cuda.device_count()
         if gpus >= ddp.WORLD_SIZE:
@@ -175,8 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     if not results:
         print("nothing was measured.", file=sys.stderr)
         return 2
-    device = torch.cuda.get_device_name()
-    (args.out / "bench.json").write_text(json.dumps({"device": device, "results": results}, indent=1))
+    _write_json(args.out, device, results)
     print(f"# te_v2 benchmark on {device} (DelayedScaling, bf16, median of {args.steps} steps)\n")
     print(table(results))
     if collectives := ddp.collectives_table(results):
