@@ -21,8 +21,9 @@ class Backend(enum.Enum):
 
 
 TE_MISSING_HINT = (
-    "install it with `pip install te-v2-executor[te]` on a CUDA machine, or build the executor "
-    "with `te_v2_executor.make_te_v2(backend='reference')` to run the plain-torch reference"
+    'install it with `pip install "te-v2-executor[te]"` (from a checkout: `pip install -e ".[te]"`) '
+    "on a CUDA machine, or build the executor with `te_v2_executor.make_te_v2(backend='reference')` "
+    "to run the plain-torch reference"
 )
 
 
