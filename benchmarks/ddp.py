@@ -251,77 +251,11 @@ def collectives_table(results: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def cpu_check() -> int:
-    """Hidden self-check on CPU (gloo, te_v2's reference backend, small MLP blocks): DDP around a
-    ThunderModule puts averaged gradients on the original trainable parameters only, and a
-    failure on one rank leaves the ranks in step. ``torchrun --nproc_per_node=2 -m benchmarks.ddp --cpu-check``"""
-    import copy
-    from unittest import mock
-
-    import thunder
-
-    from benchmarks import models
-    from te_v2_executor import make_te_v2
-
-    dist.init_process_group("gloo", timeout=COLLECTIVE_TIMEOUT)
-    cpu, world = torch.device("cpu"), dist.get_world_size()
-    try:
-        with mock.patch.dict(models.BLOCKS, {"mlp": [(64, 128), (128, 64)]}):
-            for scenario in SCENARIOS:
-                torch.manual_seed(0)
-                model = models.Blocks(
-                    "mlp", 2, scenario, lambda i, o: torch.nn.Linear(i, o, bias=False, dtype=torch.bfloat16)
-                )
-                twin = copy.deepcopy(model)
-                ddp = wrap(thunder.jit(model, executors=[make_te_v2(backend="reference")]), cpu)
-                assert {id(p) for p in ddp.parameters()} == {id(p) for p in model.parameters()}
-                jitted_twin = thunder.jit(twin, executors=[make_te_v2(backend="reference")])
-                x = rank_input(32, 64, cpu)
-                # expected: the same jitted model without DDP, gradients averaged by hand; two
-                # steps each (the second runs on DDP's rebuilt buckets, and on updated scales)
-                for _ in range(2):
-                    ddp.zero_grad(set_to_none=True)
-                    ddp(x).sum().backward()
-                    twin.zero_grad(set_to_none=True)
-                    jitted_twin(x).sum().backward()
-                for (name, p), q in zip(model.named_parameters(), twin.parameters(), strict=True):
-                    if not p.requires_grad:
-                        assert p.grad is None and q.grad is None, name
-                        continue
-                    dist.all_reduce(q.grad, op=dist.ReduceOp.SUM)
-                    torch.testing.assert_close(p.grad.float(), q.grad.float() / world, rtol=2e-2, atol=1e-3)
-                    highest = p.grad.clone()
-                    dist.all_reduce(highest, op=dist.ReduceOp.MAX)
-                    assert torch.equal(highest, p.grad), f"{name}: gradients differ across ranks"
-                trained = sum(p.requires_grad for p in model.parameters())
-                print(f"rank {dist.get_rank()} {scenario}: {trained} trained parameters, gradients averaged")
-
-        def fails_on_rank_1() -> int:
-            if dist.get_rank() == 1:
-                raise RuntimeError("only on rank 1")
-            return 1
-
-        row: dict[str, Any] = {}
-        assert in_step(row, fails_on_rank_1, cpu) is None and "error" in row, row
-        later: dict[str, Any] = {}
-        assert in_step(later, lambda: 2, cpu) == 2 and "error" not in later  # still in step
-        assert collectives(["ncclDevKernel_AllReduce_Sum_bf16_RING_LL(x)", "gemm", "ncclKernel_Generic"]) == {
-            "nccl_kernels": 2,
-            "allreduce_kernels": 1,
-            "nccl_kernel_names": {"ncclDevKernel_AllReduce_Sum_bf16_RING_LL": 1, "ncclKernel_Generic": 1},
-        }
-        print(f"rank {dist.get_rank()}: cpu check passed")
-    finally:
-        dist.destroy_process_group()
-    return 0
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="te_v2 DDP benchmark worker (run under torchrun)")
     parser.add_argument("--out", type=Path, default=Path("results"))
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--cpu-check", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if "LOCAL_RANK" not in os.environ:
         print(
@@ -329,8 +263,6 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    if args.cpu_check:
-        return cpu_check()
     return worker(args.out, warmup=args.warmup, steps=args.steps)
 
 
