@@ -165,3 +165,46 @@ def test_nested_scopes_flush_at_the_outermost_exit():
         state = _states(jitted)["linears_0_weight"]
         assert _nonzero_rows(_history(state, forward=True)) == [0]
     assert _nonzero_rows(_history(state, forward=True)) == [15]
+
+
+class GraphBroken(torch.nn.Module):
+    """Two stacks with a Dynamo graph break between them: thunderfx compiles two regions."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = Stack([DIM] * 3), Stack([DIM] * 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.first(x)
+        torch._dynamo.graph_break()
+        return self.second(torch.relu(x))
+
+
+@pytest.mark.parametrize("scoped", [False, True], ids=["per-region", "scope"])
+def test_thunderfx_regions_flush_once_per_step_inside_an_update_scope(monkeypatch, scoped):
+    """Each thunderfx region is a compiled function with its own flushes; wrapping the step in
+    ``quantization_update_scope`` brings them back to one per direction."""
+    from thunder.dynamo import thunderfx
+
+    from te_v2_executor import state
+
+    torch._dynamo.reset()
+    compiled = thunderfx(
+        GraphBroken(), executors=[make_te_v2(backend="reference", claim=CLAIM_ALL, recipe=RECIPE)]
+    )
+    updates = []
+    real_update = state.update_delayed_scaling
+
+    def counting_update(states, *, forward):
+        states = list(states)
+        updates.append((forward, len(states)))
+        real_update(states, forward=forward)
+
+    monkeypatch.setattr(state, "update_delayed_scaling", counting_update)
+    with quantization_update_scope() if scoped else contextlib.nullcontext():
+        compiled(torch.randn(TOKENS, DIM, requires_grad=True)).sum().backward()
+    assert len(compiled.last_traces) == 2  # the two regions
+    if scoped:
+        assert sorted(updates) == [(False, 4), (True, 4)]
+    else:
+        assert sorted(updates) == [(False, 2), (False, 2), (True, 2), (True, 2)]
