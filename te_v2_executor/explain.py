@@ -144,9 +144,22 @@ def report_from_trace(trace: TraceCtx, fallbacks: list[tuple[Any, str]]) -> Repo
     return Report(tuple(rows))
 
 
+def _compiled_functions(fn: Any) -> list[Any]:
+    """``fn`` itself, or for a ``thunder.dynamo.thunderfx`` object the ``thunder.jit`` function of
+    each region it compiled, in the order Dynamo made them."""
+    from thunder.dynamo.compiler import ThunderFXCompiledObject
+
+    if not isinstance(fn, ThunderFXCompiledObject):
+        return [fn]
+    return [jitted for info in fn._backend.subgraph_infos for jitted in info.thunder_compiled_fns]
+
+
 def explain(fn: Any) -> Report:
-    """The report of the last trace te_v2 analysed for a ``thunder.jit`` callable."""
-    report = registry_for(thunder.compile_data(fn)).report
-    if report is None:
+    """The report of the last trace te_v2 analysed for a ``thunder.jit`` callable; for a
+    ``thunderfx`` object, the rows of all its regions together (weights named as Dynamo names
+    them)."""
+    reports = [registry_for(thunder.compile_data(f)).report for f in _compiled_functions(fn)]
+    reports = [r for r in reports if r is not None]
+    if not reports:
         raise ValueError("te_v2: no trace analysed yet for this function; call it once first")
-    return report
+    return Report(tuple(row for r in reports for row in r.linears))

@@ -302,8 +302,7 @@ def test_thunderfx_regions_run_te_v2_and_the_claim_policy():
     for name, p in model.named_parameters():
         assert (p.grad is not None) is ("lora" in name), name
 
-    (region,) = (fn for info in compiled._backend.subgraph_infos for fn in info.thunder_compiled_fns)
-    rows = explain(region).linears
+    rows = explain(compiled).linears
     assert {r.name for r in rows if r.claimed} == {
         f"l_self_modules_layers_modules_{i}_modules_base_parameters_weight_" for i in range(2)
     }

@@ -204,6 +204,7 @@ def test_thunderfx_regions_flush_once_per_step_inside_an_update_scope(monkeypatc
     with quantization_update_scope() if scoped else contextlib.nullcontext():
         compiled(torch.randn(TOKENS, DIM, requires_grad=True)).sum().backward()
     assert len(compiled.last_traces) == 2  # the two regions
+    assert len(explain(compiled).linears) == 4  # explain lists the linears of both
     if scoped:
         assert sorted(updates) == [(False, 4), (True, 4)]
     else:
