@@ -75,7 +75,9 @@ class TEv2Executor(FusionExecutor):
         grad_enabled = compile_data.is_grad_enabled if compile_data is not None else True
         new_trace = analysis.insert_syncs(new_trace, grad_enabled=grad_enabled)
         new_trace.set_provenance(TraceProvenance("te_v2 backward-consumption analysis"))
-        registry_for(compile_data).report = explain.report_from_trace(new_trace, fallbacks)
+        registry_for(compile_data).record(
+            explain.te_v2_signature(new_trace.bound_symbols), explain.report_from_trace(new_trace, fallbacks)
+        )
         return new_trace
 
 

@@ -144,6 +144,41 @@ def report_from_trace(trace: TraceCtx, fallbacks: list[tuple[Any, str]]) -> Repo
     return Report(tuple(rows))
 
 
+def te_v2_signature(bound_symbols: list[Any]) -> frozenset:
+    """What te_v2 runs in a trace, the same for the joint trace the analysis returns and for the
+    forward and backward traces Thunder splits it into: each te_v2 GEMM-side symbol, by linear
+    state and flags."""
+    return frozenset(
+        (
+            id(b.kwargs["state"]),
+            b.sym.name,
+            tuple(sorted((k, v) for k, v in b.kwargs.items() if isinstance(v, bool))),
+        )
+        for b in bound_symbols
+        if b.sym in (LINEAR_FWD, QUANTIZE_GRAD_OUTPUT, LINEAR_DGRAD, LINEAR_WGRAD)
+    )
+
+
+def _last_run_signature(fn: Any) -> frozenset | None:
+    """The signature of the traces ``fn`` ran last: a cache hit reruns an older trace, which
+    Thunder records only by making its computation traces the last ones."""
+    stats = thunder.compile_stats(fn)
+    if stats is None:
+        return None
+    for entry in stats.interpreter_cache:
+        if entry.computation_traces is stats.last_traces:
+            bsyms = list(entry.computation_traces[-1].bound_symbols)
+            if entry.backward_traces:
+                bsyms += entry.backward_traces[-1].bound_symbols
+            return te_v2_signature(bsyms)
+    return None
+
+
+def _report_of_last_run(fn: Any) -> Report | None:
+    registry = registry_for(thunder.compile_data(fn))
+    return registry.reports.get(_last_run_signature(fn), registry.latest_report)
+
+
 def _compiled_functions(fn: Any) -> list[Any]:
     """``fn`` itself, or for a ``thunder.dynamo.thunderfx`` object the ``thunder.jit`` function of
     each region it compiled, in the order Dynamo made them."""
@@ -155,10 +190,10 @@ def _compiled_functions(fn: Any) -> list[Any]:
 
 
 def explain(fn: Any) -> Report:
-    """The report of the last trace te_v2 analysed for a ``thunder.jit`` callable; for a
-    ``thunderfx`` object, the rows of all its regions together (weights named as Dynamo names
-    them)."""
-    reports = [registry_for(thunder.compile_data(f)).report for f in _compiled_functions(fn)]
+    """The report of the trace a ``thunder.jit`` callable ran last (after a cache hit, that older
+    trace's); for a ``thunderfx`` object, the rows of all its regions together (weights named as
+    Dynamo names them)."""
+    reports = [_report_of_last_run(f) for f in _compiled_functions(fn)]
     reports = [r for r in reports if r is not None]
     if not reports:
         raise ValueError("te_v2: no trace analysed yet for this function; call it once first")

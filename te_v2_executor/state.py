@@ -163,11 +163,16 @@ def quantization_update_scope() -> Iterator[None]:
 
 
 class StateRegistry:
-    """The linear states of one compiled function, and its last explain report."""
+    """The linear states of one compiled function, and the explain report of each of its traces
+    (keyed by what te_v2 runs in it, so a cache hit on an older trace finds that trace's report)."""
 
     def __init__(self) -> None:
         self._states: dict[tuple[str, str], LinearQuantState] = {}
-        self.report: Any = None
+        self.reports: dict[Any, Any] = {}
+        self.latest_report: Any = None
+
+    def record(self, key: Any, report: Any) -> None:
+        self.reports[key] = self.latest_report = report
 
     def state(
         self, key: tuple[str, str], name: str, recipe: RecipeSpec, backend: Backend

@@ -177,3 +177,21 @@ def test_a_fuser_claiming_linear_first_is_refused(reference_te_v2):
     jitted = thunder.jit(Stack([DIM] * 2), executors=[torch_compile_ex, reference_te_v2])
     with pytest.raises(ValueError, match=r"list 'te_v2_reference_\d+' first"):
         jitted(torch.randn(TOKENS, DIM))
+
+
+def test_explain_follows_a_cache_hit_back_to_an_older_trace(reference_te_v2):
+    model = Stack([DIM] * 3)
+    jitted = thunder.jit(model, executors=[reference_te_v2])
+    x = torch.randn(TOKENS, DIM)
+
+    def first_wgrad() -> bool:
+        jitted(x).sum().backward()
+        (row,) = (r for r in explain(jitted).linears if r.name == "linears_0_weight")
+        return row.wgrad
+
+    assert first_wgrad()
+    model.linears[0].requires_grad_(False)
+    assert not first_wgrad()  # a retrace
+    model.linears[0].requires_grad_(True)
+    assert first_wgrad()  # the first trace again, from the cache
+    assert (thunder.cache_misses(jitted), thunder.cache_hits(jitted)) == (2, 1)
