@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import warnings
 from pathlib import Path
@@ -34,10 +35,8 @@ def adapter_step_ms(rank: int, tokens: int, *, fp8_adapters: bool, warmup: int, 
     policy = ClaimPolicy(min_features=0 if fp8_adapters else rank + 1)
     jitted = thunder.jit(model, executors=[make_te_v2(claim=policy), torch_compile_ex])
     x = torch.randn(tokens, shapes.HIDDEN, device="cuda", dtype=torch.bfloat16)
-    times = sorted(
-        step_times_ms(make_step(jitted, model, x, fp8=True, training=True), warmup=warmup, steps=steps)
-    )
-    return times[len(times) // 2]
+    step = make_step(jitted, model, x, fp8=True, training=True)
+    return statistics.median(step_times_ms(step, warmup=warmup, steps=steps))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -19,6 +19,9 @@ from te_v2_executor.lowering import operands
 from te_v2_executor.state import LinearQuantState, registry_for
 from te_v2_executor.symbols import LINEAR_DGRAD, LINEAR_FWD, LINEAR_WGRAD, QUANTIZE_GRAD_OUTPUT
 
+# the symbols of one claimed linear, each carrying its ``state``
+LINEAR_SYMBOLS = (LINEAR_FWD, QUANTIZE_GRAD_OUTPUT, LINEAR_DGRAD, LINEAR_WGRAD)
+
 
 @dataclass(frozen=True)
 class LinearReport:
@@ -97,7 +100,7 @@ def source_name(trace: TraceCtx, p: TensorProxy) -> str:
 def _claimed_linears(trace: TraceCtx) -> dict[int, dict[str, Any]]:
     sites: dict[int, dict[str, Any]] = {}
     for bsym in trace.bound_symbols:
-        if bsym.sym not in (LINEAR_FWD, QUANTIZE_GRAD_OUTPUT, LINEAR_DGRAD, LINEAR_WGRAD):
+        if bsym.sym not in LINEAR_SYMBOLS:
             continue
         state = bsym.kwargs["state"]
         site = sites.setdefault(id(state), {"state": state})
@@ -155,7 +158,7 @@ def te_v2_signature(bound_symbols: list[Any]) -> frozenset:
             tuple(sorted((k, v) for k, v in b.kwargs.items() if isinstance(v, bool))),
         )
         for b in bound_symbols
-        if b.sym in (LINEAR_FWD, QUANTIZE_GRAD_OUTPUT, LINEAR_DGRAD, LINEAR_WGRAD)
+        if b.sym in LINEAR_SYMBOLS
     )
 
 

@@ -80,11 +80,16 @@ class Results:
         self.device = device
         self.out = out
         self.launch = torchrun(out, device, *SCENARIOS, *(["builtin_ddp-full"] if device == "cuda" else []))
+        self._loaded: dict[str, list[dict]] = {}
 
     def __getitem__(self, scenario: str) -> list[dict]:
         if self.launch.returncode != 0:
             pytest.fail(f"torchrun failed:\n{self.launch.stdout[-4000:]}\n{self.launch.stderr[-8000:]}")
-        ranks = [torch.load(self.out / f"{scenario}.rank{r}.pt", weights_only=False) for r in range(WORLD)]
+        if scenario not in self._loaded:
+            self._loaded[scenario] = [
+                torch.load(self.out / f"{scenario}.rank{r}.pt", weights_only=False) for r in range(WORLD)
+            ]
+        ranks = self._loaded[scenario]
         for rank, r in enumerate(ranks):
             if "error" in r:
                 pytest.fail(f"{scenario} raised on rank {rank}:\n{r['error']}")

@@ -34,11 +34,11 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from te_v2_executor import delayed_scaling, explain, make_te_v2
+from tests.gpu.common import GEMM_KERNEL
 from tests.helpers import CLAIM_ALL
 from tests.models import LoRAStack, Stack
 
 DIM, TOKENS_PER_RANK, STEPS, LR = 256, 128, 5, 1e-3
-GEMM_KERNEL_NAMES = ("gemm", "nvjet", "xmma", "cutlass")
 
 
 class Run:
@@ -166,8 +166,8 @@ def gemm_kernels_per_step(fn: Callable, x: torch.Tensor, run: Run) -> int:
             loss = fn(x).float().square().mean()
         loss.backward()
         torch.cuda.synchronize()
-    names = [e.name.lower() for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    return sum(any(k in n for k in GEMM_KERNEL_NAMES) for n in names)
+    names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return sum(bool(GEMM_KERNEL.search(n)) for n in names)
 
 
 def quant_state(module: Any) -> dict[str, Any]:
