@@ -21,11 +21,17 @@ from typing import Any
 import torch
 
 from benchmarks import ddp, shapes
+from benchmarks.measure import make_step, measure, warm_up_process
 from benchmarks.models import SCENARIOS, needed_flops
 from benchmarks.variants import Variant, build, reference_model, variants
 from te_v2_executor import TEv2FallbackWarning, backends
 
-SWEEP_VARIANTS = ("te.Linear eager", "builtin TE + torch.compile", "te_v2 + torch.compile")
+SWEEP_VARIANTS = (
+    "te.Linear eager",
+    "builtin TE + torch.compile",
+    "te_v2 + torch.compile",
+    "te_v2 + torch.compile + CUDA graphs",
+)
 
 
 def configurations(suite: str) -> list[dict[str, Any]]:
@@ -78,8 +84,6 @@ def _progress(total: int):
 
 
 def run_one(config: dict[str, Any], variant: Variant, *, warmup: int, steps: int) -> dict[str, Any]:
-    from benchmarks.measure import make_step, measure
-
     training = config["scenario"] != "inference"
     reference = reference_model(config["kind"], config["depth"], config["scenario"])
     row = {
@@ -150,6 +154,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
     warnings.simplefilter("ignore", TEv2FallbackWarning)
+    warm_up_process()
     jobs = [(c, v) for c in configurations(args.suite) for v in variants(lora=c["scenario"] == "lora")]
     jobs = [(c, v) for c, v in jobs if c["suite"] == "main" or v.name in SWEEP_VARIANTS]
     bar = _progress(len(jobs))

@@ -9,7 +9,7 @@ import thunder
 import torch
 
 from benchmarks.models import Blocks, linear_factories
-from te_v2_executor import ClaimPolicy, make_te_v2, te_v2
+from te_v2_executor import ClaimPolicy, TEv2CUDAGraphTransform, make_te_v2, te_v2
 
 
 @dataclass(frozen=True)
@@ -42,12 +42,21 @@ def _te_v2(fusers: list, executor=te_v2) -> Callable:
     return lambda m: thunder.jit(m, executors=[executor, *fusers])
 
 
+def _te_v2_graphed(fusers: list) -> Callable:
+    """te_v2 with forward and backward replayed as CUDA graphs (a fresh transform per model)."""
+    return lambda m: thunder.jit(m, executors=[te_v2, *fusers], transforms=[TEv2CUDAGraphTransform()])
+
+
 def variants(*, lora: bool) -> list[Variant]:
     """Every variant, Thunder ones with and without each fusion executor installed."""
     found = [Variant("torch bf16 eager", False, "torch", None), Variant("te.Linear eager", True, "te", None)]
     for suffix, fusers in _fusers().items():
         found.append(Variant(f"builtin TE{suffix}", True, "torch", _builtin(fusers)))
         found.append(Variant(f"te_v2{suffix}", True, "torch", _te_v2(fusers)))
+    compile_fusers = _fusers()[" + torch.compile"]
+    found.append(
+        Variant("te_v2 + torch.compile + CUDA graphs", True, "torch", _te_v2_graphed(compile_fusers))
+    )
     if lora:  # against the default claim policy, which keeps rank-16 adapters in BF16
         fp8_adapters = make_te_v2(claim=ClaimPolicy(min_features=0))
         found.append(
@@ -55,7 +64,7 @@ def variants(*, lora: bool) -> list[Variant]:
                 "te_v2 + torch.compile, adapters FP8",
                 True,
                 "torch",
-                _te_v2(_fusers()[" + torch.compile"], fp8_adapters),
+                _te_v2(compile_fusers, fp8_adapters),
             )
         )
     return found

@@ -10,7 +10,9 @@ any chain of casts, views, checkpoints or collectives. From that the pass
 * rewrites each ``te_v2_quantize_grad_output`` to the usages its surviving GEMMs read, and to
   compute the bias grad only when it is consumed;
 * inserts the once-per-pass flushes of delayed-scaling state: ``te_v2_forward_sync`` at the end
-  of the forward and ``te_v2_backward_sync`` after every gradient is produced.
+  of the forward and ``te_v2_backward_sync`` after every gradient is produced;
+* folds the sum of a dgrad and another gradient of the same input (a LoRA adapter's, another
+  projection's) into the dgrad GEMM, which accumulates into that gradient's buffer.
 
 Trace in, trace out; symbols are recognised by identity.
 """
@@ -162,3 +164,69 @@ def insert_syncs(trace: TraceCtx, *, grad_enabled: bool) -> TraceCtx:
         sync = BACKWARD_SYNC.bind(*grads, group=SyncGroup(backward_states, forward=False), output=None)
         trace = _with_bsyms(trace, [*trace.bound_symbols[:-1], sync, trace.bound_symbols[-1]])
     return trace
+
+
+# By name, which Thunder's torch, prims and executor-claimed versions of an op share: ops whose
+# output is a tensor of its own, and ops whose output may be a view of their first input.
+_ALLOCATING = {"add", "matmul", "linear"}
+_VIEWING = {"reshape", "shallow_copy"}
+
+
+def _read_only_by(p: Any, reader: BoundSymbol, consumers: Any) -> bool:
+    readers = consumers.get(p, [])
+    return len(readers) == 1 and readers[0] is reader
+
+
+def _writable_in_place(p: Any, reader: BoundSymbol, producers: Any, consumers: Any) -> bool:
+    """Whether ``reader`` may overwrite ``p``: every tensor on the chain of views from ``p`` back
+    to the op that allocated it is read by the next link alone, and that op allocates its output."""
+    while _read_only_by(p, reader, consumers) and (producer := producers.get(p, None)) is not None:
+        if producer.sym is LINEAR_DGRAD or producer.sym.name in _ALLOCATING:
+            return True
+        if producer.sym.name not in _VIEWING:
+            return False
+        reader, p = producer, producer.args[0]
+    return False
+
+
+def _accumulating_dgrad(
+    add: BoundSymbol, producers: Any, consumers: Any
+) -> tuple[BoundSymbol, BoundSymbol] | None:
+    """(the dgrad, its replacement) when ``add`` sums a dgrad and a gradient it may overwrite."""
+    if add.sym.name != "add" or len(add.args) != 2 or add.kwargs.get("alpha", 1) != 1:
+        return None
+    out = add.output
+    for dx, other in (add.args, add.args[::-1]):
+        dgrad = producers.get(dx, None)
+        if dgrad is None or dgrad.sym is not LINEAR_DGRAD or other is dx:
+            continue
+        alike = all(
+            isinstance(t, TensorProxy) and t.shape == out.shape and t.dtype == out.dtype for t in (dx, other)
+        )
+        if (
+            alike
+            and _read_only_by(dx, add, consumers)
+            and _writable_in_place(other, add, producers, consumers)
+        ):
+            dy_q, w_saved = dgrad.args[:2]
+            return dgrad, dgrad.from_bsym(args=(dy_q, w_saved, other), output=out)
+    return None
+
+
+def accumulate_dgrads(trace: TraceCtx) -> TraceCtx:
+    """Replace ``add(dgrad, g)`` by a dgrad GEMM that adds its product into g's buffer (cuBLAS
+    beta = 1, as TE's fused backward linear + add), when nothing else reads g or a view of it.
+
+    The sum then needs no third activation-sized buffer: for a frozen linear with a LoRA adapter,
+    the largest live buffer of the backward. Run after CSE, which changes who reads what.
+    """
+    producers, consumers = utils.producers(trace), utils.consumers(trace)
+    dropped: set[int] = set()
+    swapped: dict[int, BoundSymbol] = {}
+    for bsym in trace.bound_symbols:
+        if (found := _accumulating_dgrad(bsym, producers, consumers)) is not None:
+            dgrad, swapped[id(bsym)] = found
+            dropped.add(id(dgrad))
+    if not swapped:
+        return trace
+    return _with_bsyms(trace, [swapped.get(id(b), b) for b in trace.bound_symbols if id(b) not in dropped])

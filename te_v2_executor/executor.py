@@ -13,6 +13,7 @@ from typing import Any
 
 from thunder.core.compile_data import get_compile_data
 from thunder.core.trace import TraceCtx, TraceProvenance
+from thunder.core.transform_common import cse
 from thunder.executors import torchex
 from thunder.extend import FusionExecutor
 
@@ -39,6 +40,16 @@ def _warn_once(message: str) -> None:
 
 def _is_unclaimed_linear(bsym: Any) -> bool:
     return bsym.sym.id in LINEAR_IDS or bsym.sym is torchex.linear
+
+
+def _without_common_subexpressions(trace: TraceCtx) -> TraceCtx:
+    """Thunder's CSE, which its pipeline runs only inside nvFuser fusions. A bf16 add's backward
+    converts the same fp32 gradient to bf16 once per input; a fusion executor that does not merge
+    them (torch.compile) writes one full activation gradient per copy, the largest live buffer
+    of a LoRA backward. Skipped when an executor listed before te_v2 already fused symbols."""
+    if any(bsym.sym.is_fusion for bsym in trace.bound_symbols):
+        return trace
+    return cse(trace)
 
 
 class TEv2Executor(FusionExecutor):
@@ -74,6 +85,7 @@ class TEv2Executor(FusionExecutor):
         new_trace = analysis.rewrite_for_consumption(trace)
         grad_enabled = compile_data.is_grad_enabled if compile_data is not None else True
         new_trace = analysis.insert_syncs(new_trace, grad_enabled=grad_enabled)
+        new_trace = analysis.accumulate_dgrads(_without_common_subexpressions(new_trace))
         new_trace.set_provenance(TraceProvenance("te_v2 backward-consumption analysis"))
         registry_for(compile_data).record(
             explain.te_v2_signature(new_trace.bound_symbols), explain.report_from_trace(new_trace, fallbacks)

@@ -169,24 +169,46 @@ def quantize_grad_output(
     return quantizer(dy2d), dy2d.sum(0) if bgrad else None
 
 
-def _backward_gemm(a: Any, b: Any, recipe: RecipeSpec, *, gemm: str, dtype: torch.dtype) -> torch.Tensor:
+def _backward_gemm(
+    a: Any, b: Any, recipe: RecipeSpec, *, gemm: str, dtype: torch.dtype, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The backward GEMM ``gemm``; with ``out``, its product is added into ``out``."""
     layout = {"dgrad": "NN", "wgrad": "NT"}[gemm]
-    out, *_ = general_gemm(
+    result, *_ = general_gemm(
         a,
         b,
         out_dtype=dtype,
         layout=layout,
+        accumulate=out is not None,
+        out=out,
         grad=True,
         use_split_accumulator=_split_accumulator(recipe, gemm),
     )
-    return out
+    return result
 
 
 def linear_dgrad(
-    dy_q: Any, w_saved: Any, recipe: RecipeSpec, *, input_shape: tuple[int, ...], dtype: torch.dtype
+    dy_q: Any,
+    w_saved: Any,
+    recipe: RecipeSpec,
+    *,
+    input_shape: tuple[int, ...],
+    dtype: torch.dtype,
+    accumulate_into: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """dx = dy W, from row-wise dy and the column-wise W (TE's "NN" layout)."""
-    return _backward_gemm(w_saved, dy_q, recipe, gemm="dgrad", dtype=dtype).view(input_shape)
+    """dx = dy W, from row-wise dy and the column-wise W (TE's "NN" layout).
+
+    With ``accumulate_into`` the GEMM adds dx into that tensor and returns it, as TE's fused
+    backward linear + add does; a non-contiguous one (no 2-D view for cuBLAS) gets a plain sum.
+    """
+    if accumulate_into is None:
+        return _backward_gemm(w_saved, dy_q, recipe, gemm="dgrad", dtype=dtype).view(input_shape)
+    if not accumulate_into.is_contiguous():
+        return accumulate_into + _backward_gemm(w_saved, dy_q, recipe, gemm="dgrad", dtype=dtype).view(
+            input_shape
+        )
+    out = accumulate_into.view(-1, input_shape[-1])
+    return _backward_gemm(w_saved, dy_q, recipe, gemm="dgrad", dtype=dtype, out=out).view(input_shape)
 
 
 def linear_wgrad(dy_q: Any, x_saved: Any, recipe: RecipeSpec, *, dtype: torch.dtype) -> torch.Tensor:

@@ -208,10 +208,16 @@ def linear_dgrad(
     *,
     input_shape: tuple[int, ...],
     dtype: torch.dtype,
+    accumulate_into: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """dx = dy W, from row-wise dy and the column-wise (transposed) W."""
-    dx = dy_q.plane("rowwise").dequantize() @ w_saved.plane("columnwise").dequantize().t()
-    return dx.to(dtype).reshape(input_shape)
+    """dx = dy W, from row-wise dy and the column-wise (transposed) W; added into
+    ``accumulate_into`` in place (one rounding, as the GEMM's own accumulation) when given."""
+    dx = (dy_q.plane("rowwise").dequantize() @ w_saved.plane("columnwise").dequantize().t()).reshape(
+        input_shape
+    )
+    if accumulate_into is None:
+        return dx.to(dtype)
+    return accumulate_into.copy_(accumulate_into.float() + dx)
 
 
 def linear_wgrad(

@@ -86,12 +86,18 @@ QUANTIZE_GRAD_OUTPUT = ops.register_operator(
 )
 
 
-def _linear_dgrad_meta(dy_q, w_saved, *, state, input_shape, dtype):
+# ``accumulate_into``: a gradient of the same input that nothing else reads; the GEMM adds dx into
+# its buffer and returns it (the analysis's ``accumulate_dgrads``).
+
+
+def _linear_dgrad_meta(dy_q, w_saved, accumulate_into=None, *, state, input_shape, dtype):
     return TensorProxy(like=dy_q, shape=tuple(input_shape), dtype=dtypes.to_dtype(dtype))
 
 
-def _linear_dgrad_impl(dy_q, w_saved, *, state, input_shape, dtype):
-    return state.kernels.linear_dgrad(dy_q, w_saved, state.recipe, input_shape=input_shape, dtype=dtype)
+def _linear_dgrad_impl(dy_q, w_saved, accumulate_into=None, *, state, input_shape, dtype):
+    return state.kernels.linear_dgrad(
+        dy_q, w_saved, state.recipe, input_shape=input_shape, dtype=dtype, accumulate_into=accumulate_into
+    )
 
 
 LINEAR_DGRAD = ops.register_operator("te_v2_linear_dgrad", meta=_linear_dgrad_meta, fn=_linear_dgrad_impl)
@@ -118,9 +124,24 @@ def _forward_sync_meta(token, *after, group):
     return TensorProxy(like=token), replay
 
 
+# A capture would freeze what a flush decides in Python on each call (te_v2_executor.cuda_graphs).
+_CAPTURE_REFUSED = (
+    "te_v2: a quantization-state flush is being captured into a CUDA graph, which would freeze "
+    "its per-step decisions (quantization_update_scope, the te.autocast amax group). Use "
+    "transforms=[te_v2_executor.TEv2CUDAGraphTransform()] instead of Thunder's CUDAGraphTransform: "
+    "it captures everything else and runs the flushes between the graphs."
+)
+
+
+def _refuse_capture() -> None:
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(_CAPTURE_REFUSED)
+
+
 def _forward_sync_impl(
     token: torch.Tensor, *after, group: SyncGroup
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    _refuse_capture()
     replay = group.snapshot_replayed_scales()
     group.flush()
     return token, replay
@@ -138,6 +159,7 @@ def _backward_sync_meta(*after, group):
 
 
 def _backward_sync_impl(*after, group: SyncGroup) -> None:
+    _refuse_capture()
     group.flush()
 
 

@@ -129,3 +129,14 @@ def copy_weights(dst: nn.Module, src: nn.Module) -> nn.Module:
 def grads(model: nn.Module) -> dict[str, torch.Tensor | None]:
     """Gradients by parameter name (tied parameters once)."""
     return {name: p.grad for name, p in model.named_parameters()}
+
+
+class TwoOutputs(nn.Module):
+    """A linear of x and a view of x: x's gradient sums a dgrad and the second output's cotangent."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.linear(x), x.view(x.shape)

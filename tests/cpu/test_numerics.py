@@ -12,9 +12,11 @@ import copy
 import pytest
 import thunder
 import torch
+from thunder.executors.torch_compile import torch_compile_ex
 
-from te_v2_executor import block_scaling, current_scaling, delayed_scaling, make_te_v2
-from tests.helpers import CLAIM_ALL, eager_emulation, sqnr_db
+from te_v2_executor import ClaimPolicy, analysis, block_scaling, current_scaling, delayed_scaling, make_te_v2
+from te_v2_executor.symbols import LINEAR_DGRAD
+from tests.helpers import CLAIM_ALL, backward_trace, bsyms_of, eager_emulation, sqnr_db
 from tests.models import Checkpointed, LoRAStack, SharedWeight, Stack, every_even, grads
 
 RECIPES = {
@@ -118,3 +120,31 @@ def test_freezing_then_unfreezing_retraces_with_right_gradients(reference_te_v2)
     # the second step runs with updated delayed-scaling state: close to, not equal to, step one
     for name, grad in grads(model).items():
         assert sqnr_db(grad, g_emu[name]) > GRAD_FLOOR, name
+
+
+@pytest.mark.parametrize("fusers", [[], [torch_compile_ex]], ids=["thunder", "torch.compile"])
+def test_accumulating_a_dgrad_changes_no_gradient(fusers, monkeypatch):
+    """A base dgrad added in place into its adapter's gradient gives, in float32, bitwise the
+    gradients of the separate sum."""
+    model = LoRAStack([64, 128, 64], rank=16)
+    twin = copy.deepcopy(model)
+    x = torch.randn(32, 64, requires_grad=True)
+
+    def run(m):
+        ex = make_te_v2(backend="reference", claim=ClaimPolicy(min_features=64))  # adapters stay torch
+        jitted = thunder.jit(m, executors=[ex, *fusers])
+        xx = x.detach().clone().requires_grad_()
+        jitted(xx).sum().backward()
+        return jitted, grads(m), xx.grad
+
+    jitted, g, dx = run(model)
+    assert all(d.args[2] is not None for d in bsyms_of(backward_trace(jitted), LINEAR_DGRAD))
+    monkeypatch.setattr(analysis, "accumulate_dgrads", lambda trace: trace)
+    plain, g_plain, dx_plain = run(twin)
+    assert all(d.args[2] is None for d in bsyms_of(backward_trace(plain), LINEAR_DGRAD))
+    torch.testing.assert_close(dx, dx_plain, rtol=0, atol=0)
+    assert g.keys() == g_plain.keys()
+    for name, grad in g.items():
+        assert (grad is None) == (g_plain[name] is None), name
+        if grad is not None:
+            torch.testing.assert_close(grad, g_plain[name], rtol=0, atol=0, msg=name)

@@ -8,7 +8,7 @@ import torch
 from thunder.core import prims
 from thunder.executors.torch_compile import torch_compile_ex
 
-from te_v2_executor import current_scaling, explain, make_te_v2
+from te_v2_executor import ClaimPolicy, current_scaling, explain, make_te_v2
 from te_v2_executor.symbols import (
     BACKWARD_SYNC,
     FORWARD_SYNC,
@@ -18,7 +18,7 @@ from te_v2_executor.symbols import (
     QUANTIZE_GRAD_OUTPUT,
 )
 from tests.helpers import CLAIM_ALL, backward_trace, bsyms_of, forward_trace
-from tests.models import Checkpointed, LoRAStack, Stack, every_even
+from tests.models import Checkpointed, LoRAStack, Stack, TwoOutputs, every_even
 
 DIM = 64
 TOKENS = 32
@@ -195,3 +195,47 @@ def test_explain_follows_a_cache_hit_back_to_an_older_trace(reference_te_v2):
     model.linears[0].requires_grad_(True)
     assert first_wgrad()  # the first trace again, from the cache
     assert (thunder.cache_misses(jitted), thunder.cache_hits(jitted)) == (2, 1)
+
+
+def test_a_gradient_converted_once_is_not_converted_twice():
+    """A bf16 add's backward converts its fp32 gradient to bf16 once per input; te_v2 merges the
+    copies, so torch.compile does not write the activation gradient twice (LoRA peak memory)."""
+    ex = make_te_v2(backend="reference", claim=ClaimPolicy(min_features=DIM))  # adapters stay torch
+    model = LoRAStack([DIM, 2 * DIM, DIM], rank=4).to(torch.bfloat16)
+    jitted = _step(model, [ex, torch_compile_ex], torch.randn(TOKENS, DIM, dtype=torch.bfloat16))
+    converts = [
+        (s.args[0].name, s.args[1])
+        for fusion in backward_trace(jitted).bound_symbols
+        if fusion.sym.is_fusion
+        for s in fusion.subsymbols
+        if s.sym.id == prims.PrimIDs.CONVERT_ELEMENT_TYPE
+    ]
+    assert converts, "the backward has no fused dtype conversions to check"
+    assert len(converts) == len(set(converts))
+
+
+@pytest.mark.parametrize("fusers", [[], [torch_compile_ex]], ids=["thunder", "torch.compile"])
+def test_a_base_dgrad_accumulates_into_its_adapters_gradient(fusers):
+    ex = make_te_v2(backend="reference", claim=ClaimPolicy(min_features=DIM))  # adapters stay torch
+    model = LoRAStack([DIM, 2 * DIM, DIM], rank=16).to(torch.bfloat16)
+    jitted = _step(model, [ex, *fusers], torch.randn(TOKENS, DIM, dtype=torch.bfloat16))
+    bwd = backward_trace(jitted)
+    (dgrad,) = bsyms_of(bwd, LINEAR_DGRAD)
+    assert dgrad.args[2] is not None, "the base dgrad does not accumulate into the adapter's gradient"
+    adds = [
+        s
+        for b in bwd.bound_symbols
+        for s in (b.subsymbols if b.sym.is_fusion else [b])
+        if s.sym.name == "add"
+    ]
+    assert all(dgrad.output.name not in {a.name for a in s.flat_proxy_args} for s in adds)
+
+
+def test_a_dgrad_never_accumulates_into_a_cotangent(reference_te_v2):
+    """A gradient the backward did not compute (here the second output's cotangent) is not the
+    backward's to overwrite."""
+    jitted = thunder.jit(TwoOutputs(DIM), executors=[reference_te_v2])
+    x = torch.randn(TOKENS, DIM, requires_grad=True)
+    torch.autograd.backward(jitted(x), [torch.randn(TOKENS, DIM), torch.randn(TOKENS, DIM)])
+    (dgrad,) = bsyms_of(backward_trace(jitted), LINEAR_DGRAD)
+    assert dgrad.args[2] is None

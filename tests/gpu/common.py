@@ -10,7 +10,7 @@ import pytest
 import thunder
 import torch
 
-from te_v2_executor import backends
+from te_v2_executor import backends, explain
 from tests.helpers import CLAIM_ALL
 
 _REASON = "needs a CUDA GPU with TransformerEngine" + (
@@ -85,3 +85,8 @@ def te_v2_claiming_all():
 def jit_te_v2(model: torch.nn.Module, *fusers) -> Callable:
     """``model`` compiled with te_v2 first, then ``fusers`` (e.g. the torch.compile executor)."""
     return thunder.jit(model, executors=[te_v2_claiming_all(), *fusers])
+
+
+def te_v2_states(jitted: Callable) -> list:
+    """(forward, backward) scaling states of each linear, in forward order."""
+    return [(r.state.scaling(forward=True), r.state.scaling(forward=False)) for r in explain(jitted).linears]

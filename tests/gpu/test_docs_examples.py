@@ -82,6 +82,16 @@ def _check_peft_lora(ns: dict[str, Any]) -> None:
     assert {LINEAR_FWD, FORWARD_SYNC} <= _symbols(ns["compiled"].last_traces)
 
 
+def _check_cuda_graphs(ns: dict[str, Any]) -> None:
+    """The steps replayed graphs; only the flushes ran outside them."""
+    assert torch.isfinite(ns["loss"])
+    outside = {
+        b.sym for b in forward_trace(ns["jitted"]).bound_symbols if not b.sym.name.startswith("CUDAGraph")
+    }
+    assert FORWARD_SYNC in outside and LINEAR_FWD not in outside
+    assert any(b.sym.name.startswith("CUDAGraph") for b in backward_trace(ns["jitted"]).bound_symbols)
+
+
 GPU_CHECKS: dict[str, Callable[[dict[str, Any]], None]] = {
     "quickstart": _check_quickstart,
     "recipes": _check_recipes,
@@ -89,6 +99,7 @@ GPU_CHECKS: dict[str, Callable[[dict[str, Any]], None]] = {
     "grad-accumulation": _check_grad_accumulation,
     "checkpointing": _check_checkpointing,
     "peft-lora": _check_peft_lora,
+    "cuda-graphs": _check_cuda_graphs,
 }
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from te_v2_executor import explain, quantization_update_scope
+from te_v2_executor import quantization_update_scope
 from tests.gpu.common import (
     DTYPE,
     FP8_TOLS,
@@ -17,6 +17,7 @@ from tests.gpu.common import (
     kernels_per_step,
     requires_te_gpu,
     te_linear,
+    te_v2_states,
     torch_linear,
 )
 from tests.models import Stack, copy_weights
@@ -71,11 +72,6 @@ def _train(fn, model, xs, recipe):
     return torch.stack(losses)
 
 
-def _te_v2_states(jitted) -> list:
-    """(forward, backward) scaling states of each linear, in forward order."""
-    return [(r.state.scaling(forward=True), r.state.scaling(forward=False)) for r in explain(jitted).linears]
-
-
 def _te_states(model) -> list:
     """The same of te.Linear modules: forward quantizers (input, weight, output) and backward
     ones (grad_output, grad_input); te_v2 keeps the first two and the first one."""
@@ -104,7 +100,7 @@ def test_state_losses_and_weights_match_te_linear_after_ten_steps():
     torch.testing.assert_close(losses, te_losses, **FP8_TOLS)
     for (name, p), q in zip(model.named_parameters(), te_model.parameters(), strict=True):
         torch.testing.assert_close(p, q, **FP8_TOLS, msg=name)
-    _assert_states_equal(_te_v2_states(jitted), _te_states(te_model))
+    _assert_states_equal(te_v2_states(jitted), _te_states(te_model))
 
 
 def test_checkpointing_changes_no_state():
@@ -120,7 +116,7 @@ def test_checkpointing_changes_no_state():
     torch.testing.assert_close(
         _train(jitted, plain, xs, recipe), _train(jitted_ckpt, ckpt, xs, recipe), rtol=0, atol=0
     )
-    for states, states_ckpt in zip(_te_v2_states(jitted), _te_v2_states(jitted_ckpt), strict=True):
+    for states, states_ckpt in zip(te_v2_states(jitted), te_v2_states(jitted_ckpt), strict=True):
         for a, b in zip(states, states_ckpt, strict=True):
             assert torch.equal(a.amax_history, b.amax_history) and torch.equal(a.scale, b.scale)
 
@@ -168,7 +164,7 @@ def test_update_scope_matches_te_forward_state_over_micro_batches():
     with te.autocast(enabled=True, recipe=recipe):
         for mb in micro_batches:
             te_model(mb).float().sum().backward()
-    ours, theirs = _te_v2_states(jitted), _te_states(te_model)
+    ours, theirs = te_v2_states(jitted), _te_states(te_model)
     for (fwd, bwd), (te_fwd, _) in zip(ours, theirs, strict=True):
         torch.testing.assert_close(fwd.amax_history, te_fwd.amax_history[:, :2], rtol=0, atol=0)
         torch.testing.assert_close(fwd.scale, te_fwd.scale[:2], rtol=0, atol=0)

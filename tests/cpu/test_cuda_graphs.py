@@ -1,0 +1,66 @@
+"""What TEv2CUDAGraphTransform captures, and the flushes' refusal to be captured (CPU).
+
+Replaying the graphs needs a GPU (tests/gpu/test_cuda_graphs.py); what goes into them is decided
+on the trace, which the reference backend builds on the CPU.
+"""
+
+from __future__ import annotations
+
+import pytest
+import thunder
+import torch
+from thunder.core import prims
+from thunder.transforms.cudagraph import CUDAGraphTransform
+
+from te_v2_executor import TEv2CUDAGraphTransform
+from te_v2_executor.symbols import BACKWARD_SYNC, FORWARD_SYNC
+from tests.helpers import backward_trace, forward_trace
+from tests.models import LoRAStack
+
+DIM, TOKENS = 64, 32
+_OUTSIDE = {prims.PrimIDs.UNPACK_TRIVIAL, prims.PrimIDs.UNPACK_SEQUENCE, prims.PrimIDs.RETURN}
+
+
+def _trained(reference_te_v2):
+    jitted = thunder.jit(LoRAStack([DIM] * 3, rank=16), executors=[reference_te_v2])
+    jitted(torch.randn(TOKENS, DIM)).sum().backward()
+    return jitted
+
+
+def _top_level_work(trace) -> list:
+    """Bound symbols left outside the graphs, besides unpacking, returns and collection bookkeeping."""
+    return [
+        b.sym
+        for b in trace.bound_symbols
+        if not b.sym.name.startswith("CUDAGraph")
+        and b.sym.id not in _OUTSIDE
+        and b.sym.name not in ("python_del", "clear_mutable_collection")
+    ]
+
+
+def test_graphs_hold_everything_but_the_flushes(reference_te_v2):
+    jitted = _trained(reference_te_v2)
+    transform = TEv2CUDAGraphTransform()
+    fwd = transform.transform_trace_post_optimization(forward_trace(jitted))
+    bwd = transform.transform_trace_post_optimization(backward_trace(jitted))
+    assert _top_level_work(fwd) == [FORWARD_SYNC]
+    assert _top_level_work(bwd) == [BACKWARD_SYNC]
+    for trace in (fwd, bwd):
+        assert [b for b in trace.bound_symbols if b.sym.name.startswith("CUDAGraph")]
+
+
+def test_thunders_plain_transform_would_capture_the_flushes(reference_te_v2):
+    """Why the subclass exists: the parent class puts the flush inside a graph."""
+    jitted = _trained(reference_te_v2)
+    fwd = CUDAGraphTransform().transform_trace_post_optimization(forward_trace(jitted))
+    assert FORWARD_SYNC not in _top_level_work(fwd)
+
+
+def test_a_flush_refuses_to_be_captured(reference_te_v2, monkeypatch):
+    jitted = thunder.jit(LoRAStack([DIM] * 3, rank=16), executors=[reference_te_v2])
+    x = torch.randn(TOKENS, DIM)
+    jitted(x)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    with pytest.raises(RuntimeError, match=r"TEv2CUDAGraphTransform\(\)"):
+        jitted(x)

@@ -1,0 +1,130 @@
+"""te_v2 under TEv2CUDAGraphTransform on TransformerEngine: the replayed graphs compute exactly
+what the same trace computes without them, state updates included, and the flushes stay out."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+
+import pytest
+import thunder
+import torch
+from thunder.executors.torch_compile import torch_compile_ex
+from thunder.transforms.cudagraph import CUDAGraphTransform
+
+from te_v2_executor import TEv2CUDAGraphTransform, quantization_update_scope
+from tests.gpu.common import (
+    DTYPE,
+    gemm_kernels_per_step,
+    jit_te_v2,
+    requires_te_gpu,
+    te_v2_claiming_all,
+    te_v2_states,
+    torch_linear,
+)
+from tests.helpers import forward_trace
+from tests.models import LoRAStack, Stack
+
+pytestmark = requires_te_gpu
+
+DIM, TOKENS, STEPS = 256, 512, 4
+FUSERS = {"thunder": [], "torch.compile": [torch_compile_ex]}
+
+
+def _recipe():
+    from transformer_engine.common.recipe import DelayedScaling
+
+    return DelayedScaling(amax_history_len=16)
+
+
+def _model(scenario: str) -> torch.nn.Module:
+    if scenario == "lora":
+        return LoRAStack([DIM] * 3, rank=16, factory=torch_linear)
+    return Stack([DIM] * 3, bias=True, factory=torch_linear)
+
+
+def _graphed(model: torch.nn.Module, fusers: list, transform=None):
+    transform = transform or TEv2CUDAGraphTransform()
+    return thunder.jit(model, executors=[te_v2_claiming_all(), *fusers], transforms=[transform])
+
+
+def _train(fn, model, xs, recipe) -> list[list[torch.Tensor]]:
+    """Per step: the output and every trained parameter's gradient (as autograd left it, not a
+    copy); SGD in between, so each replay reads updated weights and a new input."""
+    import transformer_engine.pytorch as te
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    record = []
+    for x in xs:
+        opt.zero_grad()
+        with te.autocast(enabled=True, recipe=recipe):
+            y = fn(x)
+        y.float().square().mean().backward()
+        # the output is a graph buffer the next replay overwrites; .grad must not be one
+        record.append([y.detach().clone(), *(p.grad for p in model.parameters() if p.requires_grad)])
+        opt.step()
+    return record
+
+
+def _assert_states_equal(ours, theirs):
+    """Bitwise equal histories and scales; a linear with no dgrad or wgrad has no backward state."""
+    for (fwd, bwd), (other_fwd, other_bwd) in zip(ours, theirs, strict=True):
+        for mine, other in ((fwd, other_fwd), (bwd, other_bwd)):
+            assert (mine is None) == (other is None)
+            if mine is not None:
+                torch.testing.assert_close(mine.amax_history, other.amax_history, rtol=0, atol=0)
+                torch.testing.assert_close(mine.scale, other.scale, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("fuser", FUSERS)
+@pytest.mark.parametrize("scenario", ["full", "lora"])
+def test_graphs_replay_exactly_what_the_trace_computes(scenario, fuser):
+    recipe = _recipe()
+    model = _model(scenario)
+    graphed_model = copy.deepcopy(model)
+    xs = [torch.randn(TOKENS, DIM, device="cuda", dtype=DTYPE) for _ in range(STEPS)]
+    plain = jit_te_v2(model, *FUSERS[fuser])
+    transform = TEv2CUDAGraphTransform()
+    graphed = _graphed(graphed_model, FUSERS[fuser], transform)
+    expected, got = _train(plain, model, xs, recipe), _train(graphed, graphed_model, xs, recipe)
+    for step, (want, have) in enumerate(zip(expected, got, strict=True)):
+        for a, b in zip(want, have, strict=True):
+            torch.testing.assert_close(b, a, rtol=0, atol=0, msg=f"step {step}")
+    _assert_states_equal(te_v2_states(graphed), te_v2_states(plain))
+    assert transform.cuda_graph_runner.cuda_graph_cache, "no CUDA graph was captured"
+    assert any(b.sym.name.startswith("CUDAGraph") for b in forward_trace(graphed).bound_symbols)
+    x = xs[0]
+    assert gemm_kernels_per_step(graphed, x, recipe)[0] == gemm_kernels_per_step(plain, x, recipe)[0]
+
+
+def test_update_scope_holds_back_the_updates_of_graphed_passes():
+    """The flushes run outside the graphs, so the scope decides on every call, not once at capture."""
+    import transformer_engine.pytorch as te
+
+    recipe = _recipe()
+    model = _model("full")
+    graphed_model = copy.deepcopy(model)
+    plain, graphed = jit_te_v2(model), _graphed(graphed_model, [])
+    micro_batches = [torch.randn(TOKENS, DIM, device="cuda", dtype=DTYPE) for _ in range(3)]
+    for fn in (plain, graphed):
+        for scoped in (False, True, False):
+            with quantization_update_scope() if scoped else contextlib.nullcontext():
+                for mb in micro_batches:
+                    with te.autocast(enabled=True, recipe=recipe):
+                        y = fn(mb)
+                    y.float().sum().backward()
+    _assert_states_equal(te_v2_states(graphed), te_v2_states(plain))
+    (fwd, _), *_ = te_v2_states(graphed)
+    assert int((fwd.amax_history.abs().sum(1) > 0).sum()) == 3 + 1 + 3  # one update for the scope
+
+
+def test_thunders_own_cuda_graph_transform_is_refused():
+    import transformer_engine.pytorch as te
+
+    graphed = _graphed(_model("full"), [], CUDAGraphTransform())
+    x = torch.randn(TOKENS, DIM, device="cuda", dtype=DTYPE)
+    with (
+        pytest.raises(RuntimeError, match="TEv2CUDAGraphTransform"),
+        te.autocast(enabled=True, recipe=_recipe()),
+    ):
+        graphed(x)
