@@ -1,11 +1,12 @@
 """Where a step's time goes: host (Python) time against GPU time, and the hottest Python functions.
 
-    python -m benchmarks.profile_step [--out results] [--tokens 2048]
+    python -m benchmarks.profile_step [--out results] [--tokens 2048] [--scenario lora|full]
 
 For the LoRA and full-fine-tune MLP configurations, per variant: the median step time (CUDA
 events), the host time to issue one step (wall time of the call, before synchronizing), the GPU
-busy time (sum of kernel durations, torch.profiler), and a cProfile table of one step's Python
-functions written to ``profile_<scenario>_<variant>.txt``.
+busy time (sum of kernel durations, torch.profiler), and, written to
+``profile_<scenario>_<variant>.txt``, the step's kernels by GPU time and a cProfile table of its
+Python functions.
 """
 
 from __future__ import annotations
@@ -27,7 +28,12 @@ from benchmarks.measure import make_step, step_times_ms
 from benchmarks.variants import build, reference_model, variants
 from te_v2_executor import TEv2FallbackWarning, backends
 
-PROFILED = ("te.Linear eager", "builtin TE + torch.compile", "te_v2 + torch.compile", "te_v2")
+PROFILED = (
+    "te.Linear eager",
+    "builtin TE + torch.compile",
+    "te_v2 + torch.compile",
+    "te_v2 + torch.compile + CUDA graphs",
+)
 
 
 def host_ms(step, *, steps: int = 10) -> float:
@@ -42,14 +48,24 @@ def host_ms(step, *, steps: int = 10) -> float:
     return statistics.median(times)
 
 
-def gpu_busy_ms(step) -> float:
+def kernel_times(step) -> list[tuple[str, int, float]]:
+    """(kernel name, launches, total ms) of one step, longest first (torch.profiler)."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         step()
         torch.cuda.synchronize()
-    return sum(e.device_time_total for e in prof.key_averages()) / 1e3
+    found = [
+        (e.key, e.count, e.device_time_total / 1e3) for e in prof.key_averages() if e.device_time_total > 0
+    ]
+    return sorted(found, key=lambda k: -k[2])
 
 
-def python_profile(step, path: Path) -> None:
+def kernel_table(kernels: list[tuple[str, int, float]]) -> str:
+    lines = ["| kernel | launches | ms |", "| --- | --- | --- |"]
+    lines += [f"| {name[:100]} | {count} | {ms:.3f} |" for name, count, ms in kernels]
+    return "\n".join(lines)
+
+
+def python_profile(step, path: Path, kernels: list[tuple[str, int, float]]) -> None:
     profiler = cProfile.Profile()
     profiler.enable()
     step()
@@ -59,13 +75,14 @@ def python_profile(step, path: Path) -> None:
     stats = pstats.Stats(profiler, stream=text).strip_dirs()
     stats.sort_stats("tottime").print_stats(40)
     stats.sort_stats("cumulative").print_stats(60)
-    path.write_text(text.getvalue())
+    path.write_text(f"GPU kernels of one step\n\n{kernel_table(kernels)}\n\n{text.getvalue()}")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("results"))
     parser.add_argument("--tokens", type=int, default=shapes.MAIN_TOKENS[1])
+    parser.add_argument("--scenario", choices=("lora", "full"), action="append", help="default: both")
     args = parser.parse_args(argv)
     if not (torch.cuda.is_available() and backends.te_available()):
         print("profiling needs a CUDA GPU with TransformerEngine", file=sys.stderr)
@@ -75,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     print(
         "| scenario | variant | step ms | host ms to issue | GPU busy ms |\n| --- | --- | --- | --- | --- |"
     )
-    for scenario in ("lora", "full"):
+    for scenario in args.scenario or ("lora", "full"):
         for variant in variants(lora=scenario == "lora"):
             if variant.name not in PROFILED:
                 continue
@@ -84,13 +101,14 @@ def main(argv: list[str] | None = None) -> int:
             x = torch.randn(args.tokens, shapes.HIDDEN, device="cuda", dtype=torch.bfloat16)
             step = make_step(fn, model, x, fp8=variant.fp8, training=True)
             step_ms = statistics.median(step_times_ms(step, warmup=5, steps=20))
-            host, busy = host_ms(step), gpu_busy_ms(step)
+            kernels = kernel_times(step)
+            host, busy = host_ms(step), sum(ms for _, _, ms in kernels)
             print(
                 f"| {scenario} {args.tokens} | {variant.name} | {step_ms:.2f} | {host:.2f} | {busy:.2f} |",
                 flush=True,
             )
             slug = variant.name.replace(" ", "_").replace(".", "").replace("+", "")
-            python_profile(step, args.out / f"profile_{scenario}_{slug}.txt")
+            python_profile(step, args.out / f"profile_{scenario}_{slug}.txt", kernels)
             del model, fn, step
             torch.cuda.empty_cache()
     return 0
