@@ -198,16 +198,10 @@ def linear_dgrad(
 ) -> torch.Tensor:
     """dx = dy W, from row-wise dy and the column-wise W (TE's "NN" layout).
 
-    With ``accumulate_into`` the GEMM adds dx into that tensor and returns it, as TE's fused
-    backward linear + add does; a non-contiguous one (no 2-D view for cuBLAS) gets a plain sum.
+    With ``accumulate_into`` the GEMM adds dx into that tensor, as TE's fused backward linear +
+    add does, and returns it (a non-contiguous one is reshaped into a copy, which is returned).
     """
-    if accumulate_into is None:
-        return _backward_gemm(w_saved, dy_q, recipe, gemm="dgrad", dtype=dtype).view(input_shape)
-    if not accumulate_into.is_contiguous():
-        return accumulate_into + _backward_gemm(w_saved, dy_q, recipe, gemm="dgrad", dtype=dtype).view(
-            input_shape
-        )
-    out = accumulate_into.view(-1, input_shape[-1])
+    out = None if accumulate_into is None else accumulate_into.reshape(-1, input_shape[-1])
     return _backward_gemm(w_saved, dy_q, recipe, gemm="dgrad", dtype=dtype, out=out).view(input_shape)
 
 
