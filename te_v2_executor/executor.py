@@ -12,8 +12,9 @@ import warnings
 from typing import Any
 
 from thunder.core.compile_data import get_compile_data
-from thunder.core.trace import TraceCtx, TraceProvenance
-from thunder.core.transform_common import cse
+from thunder.core.proxies import variableify
+from thunder.core.trace import TraceCtx, TraceProvenance, from_trace
+from thunder.core.transform_common import replace_redundant_inputs
 from thunder.executors import torchex
 from thunder.extend import FusionExecutor
 
@@ -42,14 +43,39 @@ def _is_unclaimed_linear(bsym: Any) -> bool:
     return bsym.sym.id in LINEAR_IDS or bsym.sym is torchex.linear
 
 
-def _without_common_subexpressions(trace: TraceCtx) -> TraceCtx:
-    """Thunder's CSE, which its pipeline runs only inside nvFuser fusions. A bf16 add's backward
-    converts the same fp32 gradient to bf16 once per input; a fusion executor that does not merge
-    them (torch.compile) writes one full activation gradient per copy, the largest live buffer
-    of a LoRA backward. Skipped when an executor listed before te_v2 already fused symbols."""
-    if any(bsym.sym.is_fusion for bsym in trace.bound_symbols):
+# Dtype conversions and views, by name (Thunder's torch, prims and torch-executor versions):
+# deterministic, so two of them with the same inputs compute the same tensor.
+_MERGEABLE = {"convert_element_type", "to", "reshape", "permute", "transpose"}
+
+
+def _merge_duplicate_conversions(trace: TraceCtx) -> TraceCtx:
+    """Keep one of identical dtype conversions (and views). A bf16 add's backward converts the
+    same fp32 gradient to bf16 once per input, and a fusion executor that does not merge them
+    (torch.compile) writes one full activation gradient per copy: the largest live buffer of a
+    LoRA backward.
+
+    Only these ops: Thunder's general CSE would also merge random draws and fresh buffers that are
+    later written in place. Nothing is merged in a trace with in-place ops (names ending in
+    ``_``), whose writes into one copy the other must not see.
+    """
+    if any(bsym.sym.name.endswith("_") for bsym in trace.bound_symbols):
         return trace
-    return cse(trace)
+    redundant: dict = {}
+    first: dict = {}
+    kept = []
+    for bsym in trace.bound_symbols:
+        if bsym.sym.name in _MERGEABLE:
+            swapped = bsym.from_bsym_swap_proxies(redundant, skip_inputs=False, skip_output=True)
+            earlier = first.setdefault((swapped.rhs, id(bsym.sym.executor)), bsym)
+            if earlier is not bsym:
+                redundant[variableify(bsym.output)] = earlier.output
+                continue
+        kept.append(bsym)
+    if not redundant:
+        return trace
+    new_trace = from_trace(trace)
+    new_trace.bound_symbols = list(replace_redundant_inputs(redundant, kept))
+    return new_trace
 
 
 class TEv2Executor(FusionExecutor):
@@ -85,7 +111,7 @@ class TEv2Executor(FusionExecutor):
         new_trace = analysis.rewrite_for_consumption(trace)
         grad_enabled = compile_data.is_grad_enabled if compile_data is not None else True
         new_trace = analysis.insert_syncs(new_trace, grad_enabled=grad_enabled)
-        new_trace = analysis.accumulate_dgrads(_without_common_subexpressions(new_trace))
+        new_trace = analysis.accumulate_dgrads(_merge_duplicate_conversions(new_trace))
         new_trace.set_provenance(TraceProvenance("te_v2 backward-consumption analysis"))
         registry_for(compile_data).record(
             explain.te_v2_signature(new_trace.bound_symbols), explain.report_from_trace(new_trace, fallbacks)

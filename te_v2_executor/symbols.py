@@ -129,7 +129,8 @@ _CAPTURE_REFUSED = (
     "te_v2: a quantization-state flush is being captured into a CUDA graph, which would freeze "
     "its per-step decisions (quantization_update_scope, the te.autocast amax group). Use "
     "transforms=[te_v2_executor.TEv2CUDAGraphTransform()] instead of Thunder's CUDAGraphTransform: "
-    "it captures everything else and runs the flushes between the graphs."
+    "it captures everything else and runs the flushes between the graphs. Thunder's warm-up runs "
+    "before the capture have already updated this function's scaling state: compile it again."
 )
 
 

@@ -15,6 +15,7 @@ import torch
 from thunder.executors.torch_compile import torch_compile_ex
 
 from te_v2_executor import ClaimPolicy, analysis, block_scaling, current_scaling, delayed_scaling, make_te_v2
+from te_v2_executor import executor as executor_module
 from te_v2_executor.symbols import LINEAR_DGRAD
 from tests.helpers import CLAIM_ALL, backward_trace, bsyms_of, eager_emulation, sqnr_db
 from tests.models import Checkpointed, LoRAStack, SharedWeight, Stack, every_even, grads
@@ -148,3 +149,58 @@ def test_accumulating_a_dgrad_changes_no_gradient(fusers, monkeypatch):
         assert (grad is None) == (g_plain[name] is None), name
         if grad is not None:
             torch.testing.assert_close(grad, g_plain[name], rtol=0, atol=0, msg=name)
+
+
+class TwoDraws(torch.nn.Module):
+    """Two dropouts of one tensor and two noise draws like it: four independent random draws."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        y = self.linear(x)
+        dropped = torch.nn.functional.dropout(y, 0.5, training=True) - torch.nn.functional.dropout(y, 0.5)
+        return dropped, torch.randn_like(y) - torch.randn_like(y)
+
+
+@pytest.mark.parametrize("fusers", [[], [torch_compile_ex]], ids=["thunder", "torch.compile"])
+def test_random_draws_stay_independent(fusers):
+    """te_v2 merges duplicate conversions before fusion; identical random calls are not duplicates."""
+    jitted = thunder.jit(TwoDraws(64), executors=[make_te_v2(backend="reference", claim=CLAIM_ALL), *fusers])
+    for difference in jitted(torch.randn(32, 64)):
+        assert difference.abs().sum() > 0
+
+
+class ZerosFilledInPlace(torch.nn.Module):
+    """Two layers, each adding its linear into a fresh zeros buffer of the same shape in place."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.first, self.second = torch.nn.Linear(dim, dim), torch.nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.zeros(x.shape)
+        h.add_(self.first(x))
+        out = torch.zeros(x.shape)
+        out.add_(self.second(torch.relu(h)))
+        return out
+
+
+def test_fresh_buffers_written_in_place_are_not_merged(monkeypatch):
+    model = ZerosFilledInPlace(64)
+    x = torch.randn(32, 64)
+
+    def run(m):
+        jitted = thunder.jit(m, executors=[make_te_v2(backend="reference", claim=CLAIM_ALL)])
+        y = jitted(x)
+        y.square().sum().backward()
+        return y, grads(m)
+
+    twin = copy.deepcopy(model)
+    y, g = run(model)
+    monkeypatch.setattr(executor_module, "_merge_duplicate_conversions", lambda trace: trace)
+    y_plain, g_plain = run(twin)
+    torch.testing.assert_close(y, y_plain, rtol=0, atol=0)
+    for name, grad in g.items():
+        torch.testing.assert_close(grad, g_plain[name], rtol=0, atol=0, msg=name)
