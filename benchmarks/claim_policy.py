@@ -20,9 +20,9 @@ import thunder
 import torch
 
 from benchmarks import shapes
-from benchmarks.measure import make_step, step_times_ms
+from benchmarks.measure import make_step, step_times_ms, without_te_gpu
 from benchmarks.models import Blocks, linear_factories
-from te_v2_executor import ClaimPolicy, TEv2FallbackWarning, backends, make_te_v2
+from te_v2_executor import ClaimPolicy, TEv2FallbackWarning, make_te_v2
 
 RANKS = (16, 64, 256, 1024)
 
@@ -45,8 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--steps", type=int, default=20)
     args = parser.parse_args(argv)
-    if not (torch.cuda.is_available() and backends.te_available()):
-        print("the claim-policy measurement needs a CUDA GPU with TransformerEngine", file=sys.stderr)
+    if without_te_gpu("the claim-policy measurement"):
         return 2
     warnings.simplefilter("ignore", TEv2FallbackWarning)
     rows = []

@@ -18,9 +18,9 @@ import warnings
 import torch
 
 from benchmarks import shapes
-from benchmarks.measure import make_step, step_times_ms
+from benchmarks.measure import make_step, step_times_ms, without_te_gpu
 from benchmarks.variants import build, reference_model, variants
-from te_v2_executor import TEv2FallbackWarning, backends
+from te_v2_executor import TEv2FallbackWarning
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -31,8 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=10, help="steps per block")
     parser.add_argument("--variant", action="append", help="default: te.Linear eager, te_v2 + torch.compile")
     args = parser.parse_args(argv)
-    if not (torch.cuda.is_available() and backends.te_available()):
-        print("needs a CUDA GPU with TransformerEngine", file=sys.stderr)
+    if without_te_gpu("benchmarks.interleaved"):
         return 2
     warnings.simplefilter("ignore", TEv2FallbackWarning)
     chosen = args.variant or ["te.Linear eager", "te_v2 + torch.compile"]

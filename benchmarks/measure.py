@@ -6,12 +6,27 @@ import contextlib
 import gc
 import re
 import statistics
+import sys
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from te_v2_executor import backends
+
 GEMM_KERNEL = re.compile(r"gemm|nvjet|xmma|cutlass", re.IGNORECASE)
+
+
+def without_te_gpu(what: str) -> bool:
+    """Whether this machine lacks a CUDA GPU with TransformerEngine; if so, says so for ``what``
+    on stderr (the benchmarks then exit with status 2)."""
+    if torch.cuda.is_available() and backends.te_available():
+        return False
+    reason = "no CUDA device" if not torch.cuda.is_available() else backends.te_import_error()
+    print(
+        f"{what} needs a CUDA GPU with TransformerEngine ({reason}); nothing was measured.", file=sys.stderr
+    )
+    return True
 
 
 def make_step(

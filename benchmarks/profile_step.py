@@ -24,9 +24,9 @@ from pathlib import Path
 import torch
 
 from benchmarks import shapes
-from benchmarks.measure import make_step, step_times_ms
+from benchmarks.measure import make_step, step_times_ms, without_te_gpu
 from benchmarks.variants import build, reference_model, variants
-from te_v2_executor import TEv2FallbackWarning, backends
+from te_v2_executor import TEv2FallbackWarning
 
 PROFILED = (
     "te.Linear eager",
@@ -84,8 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=shapes.MAIN_TOKENS[1])
     parser.add_argument("--scenario", choices=("lora", "full"), action="append", help="default: both")
     args = parser.parse_args(argv)
-    if not (torch.cuda.is_available() and backends.te_available()):
-        print("profiling needs a CUDA GPU with TransformerEngine", file=sys.stderr)
+    if without_te_gpu("profiling"):
         return 2
     warnings.simplefilter("ignore", TEv2FallbackWarning)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -21,10 +21,10 @@ from typing import Any
 import torch
 
 from benchmarks import ddp, shapes
-from benchmarks.measure import make_step, measure, warm_up_process
+from benchmarks.measure import make_step, measure, warm_up_process, without_te_gpu
 from benchmarks.models import SCENARIOS, needed_flops
 from benchmarks.variants import Variant, build, reference_model, variants
-from te_v2_executor import TEv2FallbackWarning, backends
+from te_v2_executor import TEv2FallbackWarning
 
 SWEEP_VARIANTS = (
     "te.Linear eager",
@@ -146,12 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--ddp-timeout", type=float, default=1200, help="seconds the ddp suite may take")
     args = parser.parse_args(argv)
-    if not (torch.cuda.is_available() and backends.te_available()):
-        reason = "no CUDA device" if not torch.cuda.is_available() else backends.te_import_error()
-        print(
-            f"make bench needs a CUDA GPU with TransformerEngine ({reason}); nothing was measured.",
-            file=sys.stderr,
-        )
+    if without_te_gpu("make bench"):
         return 2
     warnings.simplefilter("ignore", TEv2FallbackWarning)
     warm_up_process()
