@@ -60,6 +60,16 @@ class LinearQuantState:
         return self._forward if forward else self._backward
 
 
+# What a flush does is decided in Python on each call; a CUDA graph capture would freeze it.
+_CAPTURE_REFUSED = (
+    "te_v2: a quantization-state flush is being captured into a CUDA graph, which would freeze "
+    "its per-step decisions (quantization_update_scope, the te.autocast amax group). Use "
+    "transforms=[te_v2_executor.TEv2CUDAGraphTransform()] instead of Thunder's CUDAGraphTransform: "
+    "it captures everything else and runs the flushes between the graphs. Thunder's warm-up runs "
+    "before the capture have already updated this function's scaling state: compile it again."
+)
+
+
 class SyncGroup:
     """The delayed-scaling states one sync symbol updates, all of one recipe and direction.
 
@@ -90,7 +100,10 @@ class SyncGroup:
 
     def flush(self) -> None:
         """Update every state of the group once, or record them for the enclosing
-        ``quantization_update_scope`` to update at its exit."""
+        ``quantization_update_scope`` to update at its exit. Refuses to run inside a CUDA graph
+        capture (see ``te_v2_executor.cuda_graphs``)."""
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(_CAPTURE_REFUSED)
         if self.forward:
             group = self.states[0].kernels.amax_group()
             for s in self.states:

@@ -124,25 +124,9 @@ def _forward_sync_meta(token, *after, group):
     return TensorProxy(like=token), replay
 
 
-# A capture would freeze what a flush decides in Python on each call (te_v2_executor.cuda_graphs).
-_CAPTURE_REFUSED = (
-    "te_v2: a quantization-state flush is being captured into a CUDA graph, which would freeze "
-    "its per-step decisions (quantization_update_scope, the te.autocast amax group). Use "
-    "transforms=[te_v2_executor.TEv2CUDAGraphTransform()] instead of Thunder's CUDAGraphTransform: "
-    "it captures everything else and runs the flushes between the graphs. Thunder's warm-up runs "
-    "before the capture have already updated this function's scaling state: compile it again."
-)
-
-
-def _refuse_capture() -> None:
-    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-        raise RuntimeError(_CAPTURE_REFUSED)
-
-
 def _forward_sync_impl(
     token: torch.Tensor, *after, group: SyncGroup
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    _refuse_capture()
     replay = group.snapshot_replayed_scales()
     group.flush()
     return token, replay
@@ -160,7 +144,6 @@ def _backward_sync_meta(*after, group):
 
 
 def _backward_sync_impl(*after, group: SyncGroup) -> None:
-    _refuse_capture()
     group.flush()
 
 
