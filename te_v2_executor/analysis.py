@@ -218,7 +218,8 @@ def accumulate_dgrads(trace: TraceCtx) -> TraceCtx:
     beta = 1, as TE's fused backward linear + add), when nothing else reads g or a view of it.
 
     The sum then needs no third activation-sized buffer: for a frozen linear with a LoRA adapter,
-    the largest live buffer of the backward. Run after duplicate conversions are merged, which changes who reads what.
+    the largest live buffer of the backward. Run after duplicate casts and views are merged, which
+    changes who reads what.
     """
     producers, consumers = utils.producers(trace), utils.consumers(trace)
     dropped: set[int] = set()

@@ -48,7 +48,7 @@ def _is_unclaimed_linear(bsym: Any) -> bool:
 _MERGEABLE = {"convert_element_type", "to", "reshape", "permute", "transpose"}
 
 
-def _merge_duplicate_conversions(trace: TraceCtx) -> TraceCtx:
+def _merge_duplicate_casts_and_views(trace: TraceCtx) -> TraceCtx:
     """Keep one of identical dtype conversions (and views). A bf16 add's backward converts the
     same fp32 gradient to bf16 once per input, and a fusion executor that does not merge them
     (torch.compile) writes one full activation gradient per copy: the largest live buffer of a
@@ -111,7 +111,7 @@ class TEv2Executor(FusionExecutor):
         new_trace = analysis.rewrite_for_consumption(trace)
         grad_enabled = compile_data.is_grad_enabled if compile_data is not None else True
         new_trace = analysis.insert_syncs(new_trace, grad_enabled=grad_enabled)
-        new_trace = analysis.accumulate_dgrads(_merge_duplicate_conversions(new_trace))
+        new_trace = analysis.accumulate_dgrads(_merge_duplicate_casts_and_views(new_trace))
         new_trace.set_provenance(TraceProvenance("te_v2 backward-consumption analysis"))
         registry_for(compile_data).record(
             explain.te_v2_signature(new_trace.bound_symbols), explain.report_from_trace(new_trace, fallbacks)

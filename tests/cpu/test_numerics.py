@@ -199,7 +199,7 @@ def test_fresh_buffers_written_in_place_are_not_merged(monkeypatch):
 
     twin = copy.deepcopy(model)
     y, g = run(model)
-    monkeypatch.setattr(executor_module, "_merge_duplicate_conversions", lambda trace: trace)
+    monkeypatch.setattr(executor_module, "_merge_duplicate_casts_and_views", lambda trace: trace)
     y_plain, g_plain = run(twin)
     torch.testing.assert_close(y, y_plain, rtol=0, atol=0)
     for name, grad in g.items():

@@ -44,6 +44,13 @@ def builtin_executors() -> tuple[list, list]:
     return [transformer_engine_ex], [TransformerEngineTransform()]
 
 
+def delayed_recipe():
+    """DelayedScaling with a 16-row amax history, short enough to see each update in it."""
+    from transformer_engine.common.recipe import DelayedScaling
+
+    return DelayedScaling(amax_history_len=16)
+
+
 def train_step(fn: Callable, x: torch.Tensor, recipe) -> torch.Tensor:
     """Forward under ``te.autocast`` with ``recipe`` (plain BF16 when None), then backward of
     sum() after it, as TE expects."""

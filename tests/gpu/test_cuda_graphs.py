@@ -15,6 +15,7 @@ from thunder.transforms.cudagraph import CUDAGraphTransform
 from te_v2_executor import TEv2CUDAGraphTransform, quantization_update_scope
 from tests.gpu.common import (
     DTYPE,
+    delayed_recipe,
     gemm_kernels_per_step,
     jit_te_v2,
     requires_te_gpu,
@@ -29,12 +30,6 @@ pytestmark = requires_te_gpu
 
 DIM, TOKENS, STEPS = 256, 512, 4
 FUSERS = {"thunder": [], "torch.compile": [torch_compile_ex]}
-
-
-def _recipe():
-    from transformer_engine.common.recipe import DelayedScaling
-
-    return DelayedScaling(amax_history_len=16)
 
 
 def _model(scenario: str) -> torch.nn.Module:
@@ -79,7 +74,7 @@ def _assert_states_equal(ours, theirs):
 @pytest.mark.parametrize("fuser", FUSERS)
 @pytest.mark.parametrize("scenario", ["full", "lora"])
 def test_graphs_replay_exactly_what_the_trace_computes(scenario, fuser):
-    recipe = _recipe()
+    recipe = delayed_recipe()
     model = _model(scenario)
     graphed_model = copy.deepcopy(model)
     xs = [torch.randn(TOKENS, DIM, device="cuda", dtype=DTYPE) for _ in range(STEPS)]
@@ -101,7 +96,7 @@ def test_update_scope_holds_back_the_updates_of_graphed_passes():
     """The flushes run outside the graphs, so the scope decides on every call, not once at capture."""
     import transformer_engine.pytorch as te
 
-    recipe = _recipe()
+    recipe = delayed_recipe()
     model = _model("full")
     graphed_model = copy.deepcopy(model)
     plain, graphed = jit_te_v2(model), _graphed(graphed_model, [])
@@ -125,6 +120,6 @@ def test_thunders_own_cuda_graph_transform_is_refused():
     x = torch.randn(TOKENS, DIM, device="cuda", dtype=DTYPE)
     with (
         pytest.raises(RuntimeError, match="TEv2CUDAGraphTransform"),
-        te.autocast(enabled=True, recipe=_recipe()),
+        te.autocast(enabled=True, recipe=delayed_recipe()),
     ):
         graphed(x)

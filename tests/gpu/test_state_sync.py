@@ -13,6 +13,7 @@ from te_v2_executor import quantization_update_scope
 from tests.gpu.common import (
     DTYPE,
     FP8_TOLS,
+    delayed_recipe,
     jit_te_v2,
     kernels_per_step,
     requires_te_gpu,
@@ -25,12 +26,6 @@ from tests.models import Stack, copy_weights
 pytestmark = requires_te_gpu
 
 DIM, TOKENS, STEPS = 256, 512, 10
-
-
-def _recipe():
-    from transformer_engine.common.recipe import DelayedScaling
-
-    return DelayedScaling(amax_history_len=16)
 
 
 class Model(torch.nn.Module):
@@ -90,7 +85,7 @@ def _assert_states_equal(ours, theirs):
 
 
 def test_state_losses_and_weights_match_te_linear_after_ten_steps():
-    recipe = _recipe()
+    recipe = delayed_recipe()
     model = Model(torch_linear)
     te_model = copy_weights(Model(te_linear), model)
     xs = [torch.randn(TOKENS, DIM, device="cuda", dtype=DTYPE) for _ in range(STEPS)]
@@ -107,7 +102,7 @@ def test_checkpointing_changes_no_state():
     """te_v2's recompute replays the forward's scales and records nothing: checkpointed and plain
     runs end with equal state. TE eager's own checkpoint is only reported (TE issue #3213: its
     recompute can update delayed-scaling state a second time)."""
-    recipe = _recipe()
+    recipe = delayed_recipe()
     plain = Model(torch_linear)
     ckpt = copy.deepcopy(plain)
     ckpt.checkpoint_fn = _torch_checkpoint
@@ -140,7 +135,9 @@ def test_checkpointing_changes_no_state():
 def test_one_update_kernel_per_pass_whatever_the_number_of_linears(n):
     model = Stack([DIM] * (n + 1), factory=torch_linear)
     x = torch.randn(TOKENS, DIM, device="cuda", dtype=DTYPE, requires_grad=True)
-    count = sum("amax_and_scale_update" in name for name in kernels_per_step(jit_te_v2(model), x, _recipe()))
+    count = sum(
+        "amax_and_scale_update" in name for name in kernels_per_step(jit_te_v2(model), x, delayed_recipe())
+    )
     print(f"\n[{n} linears] amax/scale update kernels per step: te_v2 {count}")
     assert count == 2  # one for the forward flush, one for the backward flush
 
@@ -151,7 +148,7 @@ def test_update_scope_matches_te_forward_state_over_micro_batches():
     the first micro-batch's backward, te_v2 once when the scope exits (see docs)."""
     import transformer_engine.pytorch as te
 
-    recipe = _recipe()
+    recipe = delayed_recipe()
     model = Stack([DIM] * 3, bias=True, factory=torch_linear)
     te_model = copy_weights(Stack([DIM] * 3, bias=True, factory=te_linear), model)
     micro_batches = [torch.randn(TOKENS, DIM, device="cuda", dtype=DTYPE) for _ in range(4)]
