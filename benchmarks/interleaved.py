@@ -19,7 +19,7 @@ import torch
 
 from benchmarks import shapes
 from benchmarks.measure import make_step, step_times_ms, without_te_gpu
-from benchmarks.variants import build, reference_model, variants
+from benchmarks.variants import ablations, build, reference_model, variants
 from te_v2_executor import TEv2FallbackWarning
 
 
@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     warnings.simplefilter("ignore", TEv2FallbackWarning)
     chosen = args.variant or ["te.Linear eager", "te_v2 + torch.compile"]
-    offered = {v.name: v for v in variants(lora=args.scenario == "lora")}
+    offered = {v.name: v for v in [*variants(lora=args.scenario == "lora"), *ablations()]}
     reference = reference_model("mlp", shapes.MAIN_BLOCKS, args.scenario)
     x = torch.randn(args.tokens, shapes.HIDDEN, device="cuda", dtype=torch.bfloat16)
     steps = {}

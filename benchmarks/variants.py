@@ -70,6 +70,15 @@ def variants(*, lora: bool) -> list[Variant]:
     return found
 
 
+def ablations() -> list[Variant]:
+    """Variants that switch one te_v2 optimisation off, for ``benchmarks.interleaved`` only."""
+    compile_fusers = _fusers()[" + torch.compile"]
+    no_gelu = make_te_v2(claim=ClaimPolicy(gelu=False))
+    return [
+        Variant("te_v2 + torch.compile, GELU not claimed", True, "torch", _te_v2(compile_fusers, no_gelu))
+    ]
+
+
 def build(
     variant: Variant, reference: Blocks, kind: str, depth: int, scenario: str
 ) -> tuple[torch.nn.Module, Callable]:

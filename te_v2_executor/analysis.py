@@ -12,7 +12,9 @@ any chain of casts, views, checkpoints or collectives. From that the pass
 * inserts the once-per-pass flushes of delayed-scaling state: ``te_v2_forward_sync`` at the end
   of the forward and ``te_v2_backward_sync`` after every gradient is produced;
 * folds the sum of a dgrad and another gradient of the same input (a LoRA adapter's, another
-  projection's) into the dgrad GEMM, which accumulates into that gradient's buffer.
+  projection's) into the dgrad GEMM, which accumulates into that gradient's buffer;
+* folds an exact GELU whose output only a te_v2 forward reads into that forward's quantization,
+  and the GELU's backward into the quantization of the gradient it produces.
 
 Trace in, trace out; symbols are recognised by identity.
 """
@@ -31,6 +33,8 @@ from te_v2_executor.state import LinearQuantState, SyncGroup
 from te_v2_executor.symbols import (
     BACKWARD_SYNC,
     FORWARD_SYNC,
+    GELU,
+    GELU_BACKWARD,
     LINEAR_DGRAD,
     LINEAR_FWD,
     LINEAR_WGRAD,
@@ -221,13 +225,48 @@ def accumulate_dgrads(trace: TraceCtx) -> TraceCtx:
     the largest live buffer of the backward. Run after duplicate casts and views are merged, which
     changes who reads what.
     """
+    return _fold(trace, _accumulating_dgrad)
+
+
+def _fold(trace: TraceCtx, fold: Any) -> TraceCtx:
+    """Apply ``fold(bsym, producers, consumers)`` to every bound symbol: where it returns
+    (another bound symbol, a replacement), the replacement takes ``bsym``'s place and the other,
+    whose work the replacement now does, is removed."""
     producers, consumers = utils.producers(trace), utils.consumers(trace)
     dropped: set[int] = set()
     swapped: dict[int, BoundSymbol] = {}
     for bsym in trace.bound_symbols:
-        if (found := _accumulating_dgrad(bsym, producers, consumers)) is not None:
-            dgrad, swapped[id(bsym)] = found
-            dropped.add(id(dgrad))
+        if (found := fold(bsym, producers, consumers)) is not None:
+            absorbed, swapped[id(bsym)] = found
+            dropped.add(id(absorbed))
     if not swapped:
         return trace
     return _with_bsyms(trace, [swapped.get(id(b), b) for b in trace.bound_symbols if id(b) not in dropped])
+
+
+def _gelu_folded(bsym: BoundSymbol, producers: Any, consumers: Any) -> tuple[BoundSymbol, BoundSymbol] | None:
+    """(the GELU, ``bsym`` reading the GELU's input instead) when ``bsym`` is a te_v2 forward or
+    dy quantization whose tensor operand an exact GELU (or its backward) produced for it alone."""
+    if bsym.sym is LINEAR_FWD:
+        gelu_sym, flag = GELU, {"gelu": True}
+    elif bsym.sym is QUANTIZE_GRAD_OUTPUT:
+        gelu_sym, flag = GELU_BACKWARD, {}
+    else:
+        return None
+    operand = bsym.args[0]
+    gelu = producers.get(operand, None)
+    if gelu is None or gelu.sym is not gelu_sym or not _read_only_by(operand, bsym, consumers):
+        return None
+    args = (*gelu.args, *bsym.args[len(gelu.args) :])
+    return gelu, bsym.from_bsym(args=args, kwargs={**bsym.kwargs, **flag})
+
+
+def fuse_gelus(trace: TraceCtx) -> TraceCtx:
+    """Compute each exact GELU read only by a te_v2 forward inside that forward's input
+    quantization, and each GELU backward read only by a dy quantization inside it.
+
+    ``te_v2_linear_fwd(gelu(a), ...)`` becomes ``te_v2_linear_fwd(a, ..., gelu=True)`` and
+    ``te_v2_quantize_grad_output(gelu_backward(g, a))`` becomes ``te_v2_quantize_grad_output(g, a)``:
+    the activation, or its gradient, is never written in BF16 to be read back by the cast.
+    """
+    return _fold(trace, _gelu_folded)

@@ -20,9 +20,15 @@ class ClaimPolicy:
     ``min_features``: a linear whose in- or out-features are below it stays on Thunder's default
     path, by choice: no warning, a "claim policy" fallback in ``explain``. 0 claims every linear
     TE can run.
+
+    ``gelu``: te_v2 also takes exact GELUs (``F.gelu``, ``nn.GELU()``), so that one whose output
+    only a te_v2 linear reads is computed inside that linear's FP8 quantization, and its backward
+    inside the quantization of the gradient; an unfused one runs PyTorch's own GELU kernels.
+    False leaves every GELU to Thunder's other executors.
     """
 
     min_features: int = DEFAULT_MIN_FEATURES
+    gelu: bool = True
 
 
 @dataclass(frozen=True)

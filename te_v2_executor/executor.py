@@ -96,7 +96,7 @@ class TEv2Executor(FusionExecutor):
 
     def fusion_pass(self, trace: TraceCtx) -> TraceCtx:
         """Analyse the joint trace: trim forwards and dy quantizations to what the backward
-        consumes, insert the state flushes, warn once per fallback te_v2 could not avoid (the
+        consumes, insert the state flushes, fold sums and GELUs into the te_v2 symbols, warn once per fallback te_v2 could not avoid (the
         claim policy's choices are only reported), and record the report."""
         compile_data = get_compile_data()
         fallbacks = []
@@ -112,6 +112,7 @@ class TEv2Executor(FusionExecutor):
         grad_enabled = compile_data.is_grad_enabled if compile_data is not None else True
         new_trace = analysis.insert_syncs(new_trace, grad_enabled=grad_enabled)
         new_trace = analysis.accumulate_dgrads(_merge_duplicate_casts_and_views(new_trace))
+        new_trace = analysis.fuse_gelus(new_trace)
         new_trace.set_provenance(TraceProvenance("te_v2 backward-consumption analysis"))
         registry_for(compile_data).record(
             explain.te_v2_signature(new_trace.bound_symbols), explain.report_from_trace(new_trace, fallbacks)

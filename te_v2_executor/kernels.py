@@ -6,7 +6,8 @@ backward are plain functions whose flags say which copy or GEMM to build, after 
 
 Hopper rule kept here, not in the analysis: per-tensor FP8 cannot quantize column-wise only
 ("Columnwise-only per-tensor FP8 quantization is not implemented"), and the fused bias-grad
-quantization needs both usages, so the row-wise copy is always built.
+quantization needs both usages, so TE's casts always build the row-wise copy. te_v2's own
+GELU-and-cast kernel (``gelu_quantize.py``), used for delayed scaling, builds only what is asked.
 """
 
 from __future__ import annotations
@@ -21,8 +22,10 @@ from transformer_engine.common import recipe as te_recipes
 from transformer_engine.pytorch.cpp_extensions import general_gemm
 from transformer_engine.pytorch.module.base import _2X_ACC_DGRAD, _2X_ACC_FPROP, _2X_ACC_WGRAD
 from transformer_engine.pytorch.quantization import FP8GlobalStateManager, RecipeState, get_fp8_te_dtype
-from transformer_engine.pytorch.tensor.float8_tensor import Float8Quantizer
+from transformer_engine.pytorch.tensor.float8_tensor import Float8Quantizer, Float8Tensor
+from transformer_engine.pytorch.tensor.storage.float8_tensor_storage import Float8TensorStorage
 
+from te_v2_executor.gelu_quantize import gelu_cast_transpose
 from te_v2_executor.recipes import RecipeSpec, Scaling
 
 _DEFAULT_SPLIT_ACCUMULATOR = {"fprop": _2X_ACC_FPROP, "dgrad": _2X_ACC_DGRAD, "wgrad": _2X_ACC_WGRAD}
@@ -113,6 +116,40 @@ def _keep_columnwise_only(q: Any) -> Any:
     return q
 
 
+def _gelu_fusable(quantizer: Any) -> bool:
+    """Per-tensor delayed scaling: its scale is known before the values, so one pass can cast."""
+    return isinstance(quantizer, Float8Quantizer)
+
+
+def _gelu_quantize(
+    a: torch.Tensor,
+    grad: torch.Tensor | None,
+    quantizer: Float8Quantizer,
+    recipe: RecipeSpec,
+    *,
+    rowwise: bool,
+    columnwise: bool,
+    forward: bool,
+) -> Any:
+    """The FP8 copies of gelu(a), or with ``grad`` of the GELU's input gradient, as the TE tensor
+    ``quantizer`` would have made from them (amax recorded in its history slot)."""
+    row, col, scale_inv = gelu_cast_transpose(
+        a,
+        grad,
+        quantizer.scale,
+        quantizer.amax,
+        recipe.fp8_dtype(forward=forward),
+        rowwise=rowwise,
+        columnwise=columnwise,
+    )
+    parts = dict(
+        data=row, data_transpose=col, fp8_scale_inv=scale_inv, fp8_dtype=quantizer.dtype, quantizer=quantizer
+    )
+    if quantizer.internal:
+        return Float8TensorStorage(fake_dtype=a.dtype, **parts)
+    return Float8Tensor(shape=a.shape, dtype=a.dtype, requires_grad=False, device=a.device, **parts)
+
+
 def linear_fwd(
     x: torch.Tensor,
     w: torch.Tensor,
@@ -122,14 +159,28 @@ def linear_fwd(
     compute_output: bool,
     save_input: bool,
     save_weight: bool,
+    gelu: bool = False,
 ) -> tuple[torch.Tensor | None, Any, Any]:
     """Forward GEMM y = x W^T + b, and the column-wise FP8 copies the backward needs.
 
-    ``compute_output`` False (a recomputed forward whose y nobody reads) only quantizes.
+    ``compute_output`` False (a recomputed forward whose y nobody reads) only quantizes. ``gelu``:
+    the GEMM's input is gelu(x), computed within the quantization where the recipe allows.
     """
     input_quantizer, weight_quantizer = scaling.quantizers
-    input_quantizer.set_usage(rowwise=True, columnwise=save_input)
-    xq = input_quantizer(x.reshape(-1, x.shape[-1]))
+    x2d = x.reshape(-1, x.shape[-1])
+    if gelu and _gelu_fusable(input_quantizer):
+        xq = _gelu_quantize(
+            x2d,
+            None,
+            input_quantizer,
+            scaling.recipe,
+            rowwise=compute_output,
+            columnwise=save_input,
+            forward=True,
+        )
+    else:
+        input_quantizer.set_usage(rowwise=True, columnwise=save_input)
+        xq = input_quantizer(torch.nn.functional.gelu(x2d) if gelu else x2d)
     wq = None
     if compute_output or save_weight:
         weight_quantizer.set_usage(rowwise=True, columnwise=save_weight)
@@ -154,14 +205,29 @@ def linear_fwd(
 
 
 def quantize_grad_output(
-    dy: torch.Tensor, scaling: ScalingState, *, rowwise: bool, columnwise: bool, bgrad: bool
+    dy: torch.Tensor,
+    scaling: ScalingState,
+    *,
+    rowwise: bool,
+    columnwise: bool,
+    bgrad: bool,
+    gelu_input: torch.Tensor | None = None,
 ) -> tuple[Any, torch.Tensor | None]:
     """Quantize dy once for dgrad (row-wise) and wgrad (column-wise); bias grad alongside, fused
-    into the quantization where TE has that kernel."""
+    into the quantization where TE has that kernel. With ``gelu_input`` the quantized gradient is
+    that of the GELU's input, computed within the quantization where the recipe allows."""
     dy2d = dy.reshape(-1, dy.shape[-1])
+    (quantizer,) = scaling.quantizers
+    if gelu_input is not None:
+        a2d = gelu_input.reshape(dy2d.shape)
+        if (rowwise or columnwise) and not bgrad and _gelu_fusable(quantizer):
+            dy_q = _gelu_quantize(
+                a2d, dy2d, quantizer, scaling.recipe, rowwise=rowwise, columnwise=columnwise, forward=False
+            )
+            return dy_q, None
+        dy2d = torch.ops.aten.gelu_backward(dy2d, a2d)
     if not (rowwise or columnwise):
         return None, dy2d.sum(0)
-    (quantizer,) = scaling.quantizers
     quantizer.set_usage(rowwise=True, columnwise=columnwise)
     if bgrad and columnwise and scaling.recipe.per_tensor:
         dbias, dy_q = tex.bgrad_quantize(dy2d, quantizer)

@@ -1,4 +1,6 @@
 """How te_v2 claims a linear: the checker, the execution and grad transforms, the lookaside.
+Exact GELUs are claimed too, as single symbols the analysis can fold into the linears' FP8
+quantization (``analysis.fuse_gelus``).
 
 The grad transform emits the full backward (dy quantized once, dgrad, wgrad, bias grad) and a
 forward that saves every FP8 copy; Thunder's dead-code elimination then drops the gradients
@@ -22,6 +24,8 @@ from te_v2_executor.recipes import active_recipe
 from te_v2_executor.state import LinearQuantState, registry_for
 from te_v2_executor.symbols import (
     CHECK_RECIPE,
+    GELU,
+    GELU_BACKWARD,
     LINEAR_DGRAD,
     LINEAR_FWD,
     LINEAR_WGRAD,
@@ -139,7 +143,25 @@ class LinearLowering:
             get_jit_ctx().add_constraint((CHECK_RECIPE, self.guard, self.guard.current_signature()))
         return ltorch.linear(x, w, bias)
 
+    def gelu_checker(self, a: TensorProxy, approximate: str = "none") -> bool:
+        """Exact GELUs only: TE has no kernel for them, and the tanh approximation is not one."""
+        return self.config.claim.gelu and approximate == "none"
+
+    def gelu_execution_transform(self, a: TensorProxy, approximate: str = "none") -> TensorProxy:
+        return GELU(a)
+
+    def gelu_grad_transform(self, a: TensorProxy, approximate: str = "none") -> TensorProxy:
+        h = GELU(a)
+        put_grad(a, GELU_BACKWARD(get_grad(h), a))
+        return h
+
     def register(self) -> None:
+        self.executor.register_supported(
+            ltorch.gelu.id,
+            self.gelu_checker,
+            execution_transform=self.gelu_execution_transform,
+            grad_transform=self.gelu_grad_transform,
+        )
         for sym_id in LINEAR_IDS:
             self.executor.register_supported(
                 sym_id,

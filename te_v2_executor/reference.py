@@ -168,12 +168,16 @@ def linear_fwd(
     compute_output: bool,
     save_input: bool,
     save_weight: bool,
+    gelu: bool = False,
 ) -> tuple[torch.Tensor | None, ReferenceQuantizedTensor | None, ReferenceQuantizedTensor | None]:
     """Forward GEMM y = x W^T + b, and the column-wise FP8 copies the backward needs.
 
-    ``compute_output`` False (a recomputed forward whose y nobody reads) only quantizes.
+    ``compute_output`` False (a recomputed forward whose y nobody reads) only quantizes. ``gelu``:
+    the GEMM's input is gelu(x), rounded to x's dtype as PyTorch's GELU returns it.
     """
     x2d = x.reshape(-1, x.shape[-1])
+    if gelu:
+        x2d = torch.nn.functional.gelu(x2d)
     xq = _quantize(x2d, scaling, 0, weight=False, rowwise=compute_output, columnwise=save_input)
     wq = None
     if compute_output or save_weight:
@@ -190,10 +194,19 @@ def linear_fwd(
 
 
 def quantize_grad_output(
-    dy: torch.Tensor, scaling: ScalingState, *, rowwise: bool, columnwise: bool, bgrad: bool
+    dy: torch.Tensor,
+    scaling: ScalingState,
+    *,
+    rowwise: bool,
+    columnwise: bool,
+    bgrad: bool,
+    gelu_input: torch.Tensor | None = None,
 ) -> tuple[ReferenceQuantizedTensor | None, torch.Tensor | None]:
-    """Quantize dy once for dgrad (row-wise) and wgrad (column-wise); bias grad alongside."""
+    """Quantize dy once for dgrad (row-wise) and wgrad (column-wise); bias grad alongside. With
+    ``gelu_input``, dy is a GELU output's gradient and its input's gradient is quantized."""
     dy2d = dy.reshape(-1, dy.shape[-1])
+    if gelu_input is not None:
+        dy2d = torch.ops.aten.gelu_backward(dy2d, gelu_input.reshape(dy2d.shape))
     dbias = dy2d.float().sum(0).to(dy.dtype) if bgrad else None
     dyq = None
     if rowwise or columnwise:

@@ -39,10 +39,11 @@ def _flat_shape(t: TensorProxy) -> tuple[int, int]:
 # A recomputed forward (activation checkpointing) gets ``replay``: the forward scales snapshot
 # the forward sync took before updating them, and the row of this linear in it; it quantizes
 # exactly as the original forward did and records no amax.
+# ``gelu``: x is the input of an exact GELU whose output the linear reads (``analysis.fuse_gelus``).
 
 
 def _linear_fwd_meta(
-    x, w, bias, *, state, compute_output, save_input, save_weight, replay=None, replay_row=0
+    x, w, bias, *, state, compute_output, save_input, save_weight, gelu=False, replay=None, replay_row=0
 ):
     y = TensorProxy(like=x, shape=(*x.shape[:-1], w.shape[0])) if compute_output else None
     x_saved = _fp8_proxy(x, _flat_shape(x), state, forward=True) if save_input else None
@@ -51,14 +52,21 @@ def _linear_fwd_meta(
 
 
 def _linear_fwd_impl(
-    x, w, bias, *, state, compute_output, save_input, save_weight, replay=None, replay_row=0
+    x, w, bias, *, state, compute_output, save_input, save_weight, gelu=False, replay=None, replay_row=0
 ):
     if replay is None:
         scaling = state.forward_scaling(x.device)
     else:
         scaling = state.kernels.ScalingState.replaying(state.recipe, replay[replay_row])
     y, x_saved, w_saved = state.kernels.linear_fwd(
-        x, w, bias, scaling, compute_output=compute_output, save_input=save_input, save_weight=save_weight
+        x,
+        w,
+        bias,
+        scaling,
+        compute_output=compute_output,
+        save_input=save_input,
+        save_weight=save_weight,
+        gelu=gelu,
     )
     return y, x_saved, w_saved, None
 
@@ -67,17 +75,24 @@ LINEAR_FWD = ops.register_operator("te_v2_linear_fwd", meta=_linear_fwd_meta, fn
 
 
 # ---- backward: dy quantized once, shared by dgrad and wgrad; bias grad alongside ------------
+# ``gelu_input``: dy is the gradient of an exact GELU's output, and the GELU's input is given; the
+# gradient of that input is what gets quantized (``analysis.fuse_gelus``).
 
 
-def _quantize_grad_output_meta(dy, *, state, rowwise, columnwise, bgrad):
+def _quantize_grad_output_meta(dy, gelu_input=None, *, state, rowwise, columnwise, bgrad):
     dy_q = _fp8_proxy(dy, _flat_shape(dy), state, forward=False) if (rowwise or columnwise) else None
     dbias = TensorProxy(like=dy, shape=(dy.shape[-1],)) if bgrad else None
     return dy_q, dbias
 
 
-def _quantize_grad_output_impl(dy, *, state, rowwise, columnwise, bgrad):
+def _quantize_grad_output_impl(dy, gelu_input=None, *, state, rowwise, columnwise, bgrad):
     return state.kernels.quantize_grad_output(
-        dy, state.backward_scaling(dy.device), rowwise=rowwise, columnwise=columnwise, bgrad=bgrad
+        dy,
+        state.backward_scaling(dy.device),
+        rowwise=rowwise,
+        columnwise=columnwise,
+        bgrad=bgrad,
+        gelu_input=gelu_input,
     )
 
 
@@ -112,6 +127,28 @@ def _linear_wgrad_impl(dy_q, x_saved, *, state, dtype):
 
 
 LINEAR_WGRAD = ops.register_operator("te_v2_linear_wgrad", meta=_linear_wgrad_meta, fn=_linear_wgrad_impl)
+
+
+# ---- exact GELU, claimed so the analysis can fold it into the quantizations next to it --------
+# Unfolded, PyTorch's own kernels run it (fp32 math, one rounding), as in eager mode.
+
+
+def _gelu_meta(a):
+    return TensorProxy(like=a)
+
+
+GELU = ops.register_operator("te_v2_gelu", meta=_gelu_meta, fn=torch.nn.functional.gelu)
+
+
+def _gelu_backward_meta(grad, a):
+    return TensorProxy(like=a)
+
+
+def _gelu_backward_impl(grad: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+    return torch.ops.aten.gelu_backward(grad, a)
+
+
+GELU_BACKWARD = ops.register_operator("te_v2_gelu_backward", meta=_gelu_backward_meta, fn=_gelu_backward_impl)
 
 
 # ---- once-per-pass flushes of delayed-scaling state -----------------------------------------

@@ -16,7 +16,7 @@ from thunder.executors.torch_compile import torch_compile_ex
 
 from te_v2_executor import ClaimPolicy, analysis, block_scaling, current_scaling, delayed_scaling, make_te_v2
 from te_v2_executor import executor as executor_module
-from te_v2_executor.symbols import LINEAR_DGRAD
+from te_v2_executor.symbols import GELU, GELU_BACKWARD, LINEAR_DGRAD
 from tests.helpers import CLAIM_ALL, backward_trace, bsyms_of, eager_emulation, sqnr_db
 from tests.models import Checkpointed, LoRAStack, SharedWeight, Stack, every_even, grads
 
@@ -38,6 +38,7 @@ def _models(dim: int):
         "lora": lambda: LoRAStack([dim] * 3, rank=16),
         "shared": lambda: SharedWeight(dim),
         "checkpoint": lambda: Checkpointed(dim),
+        "gelu": lambda: Stack([dim] * 4, act=torch.nn.functional.gelu),
     }
 
 
@@ -55,7 +56,7 @@ def _run(model, x, *, executors=None, emulate=None):
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=str)
-@pytest.mark.parametrize("case", ["seed", "bias", "lora", "shared", "checkpoint"])
+@pytest.mark.parametrize("case", ["seed", "bias", "lora", "shared", "checkpoint", "gelu"])
 @pytest.mark.parametrize("shape", ["2d", "3d"])
 def test_matches_eager_emulation_and_tracks_float32(recipe, case, shape):
     dim = 128 if recipe == "block" else 64
@@ -149,6 +150,45 @@ def test_accumulating_a_dgrad_changes_no_gradient(fusers, monkeypatch):
         assert (grad is None) == (g_plain[name] is None), name
         if grad is not None:
             torch.testing.assert_close(grad, g_plain[name], rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("fusers", [[], [torch_compile_ex]], ids=["thunder", "torch.compile"])
+def test_folding_gelus_changes_no_gradient(fusers, dtype, monkeypatch):
+    """GELUs computed inside the quantizations give bitwise the outputs and gradients of GELUs
+    run on their own (the first GELU's output is also returned, so only its backward folds)."""
+
+    class Model(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.stack = Stack([64] * 4, act=torch.nn.functional.gelu)
+
+        def forward(self, x):
+            h = torch.nn.functional.gelu(self.stack.linears[0](x))
+            return self.stack(h), h
+
+    model = Model().to(dtype)
+    twin = copy.deepcopy(model)
+    x = torch.randn(32, 64, dtype=dtype)
+
+    def run(m):
+        ex = make_te_v2(backend="reference", claim=CLAIM_ALL)
+        jitted = thunder.jit(m, executors=[ex, *fusers])
+        xx = x.detach().clone().requires_grad_()
+        y, h = jitted(xx)
+        torch.autograd.backward((y, h), (torch.ones_like(y), torch.full_like(h, 0.5)))
+        return jitted, (y, h), grads(m), xx.grad
+
+    jitted, out, g, dx = run(model)
+    assert len(bsyms_of(thunder.last_traces(jitted)[-1], GELU)) == 1  # the returned one
+    assert not bsyms_of(backward_trace(jitted), GELU_BACKWARD)
+    monkeypatch.setattr(analysis, "fuse_gelus", lambda trace: trace)
+    plain, out_plain, g_plain, dx_plain = run(twin)
+    assert len(bsyms_of(backward_trace(plain), GELU_BACKWARD)) == 3
+    for a, b in zip((*out, dx), (*out_plain, dx_plain), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    for name, grad in g.items():
+        torch.testing.assert_close(grad, g_plain[name], rtol=0, atol=0, msg=name)
 
 
 class TwoDraws(torch.nn.Module):

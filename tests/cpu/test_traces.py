@@ -12,13 +12,15 @@ from te_v2_executor import ClaimPolicy, current_scaling, explain, make_te_v2
 from te_v2_executor.symbols import (
     BACKWARD_SYNC,
     FORWARD_SYNC,
+    GELU,
+    GELU_BACKWARD,
     LINEAR_DGRAD,
     LINEAR_FWD,
     LINEAR_WGRAD,
     QUANTIZE_GRAD_OUTPUT,
 )
 from tests.helpers import CLAIM_ALL, backward_trace, bsyms_of, forward_trace
-from tests.models import Checkpointed, LoRAStack, Stack, TwoOutputs, every_even
+from tests.models import Checkpointed, LoRALinear, LoRAStack, Stack, TwoOutputs, every_even
 
 DIM = 64
 TOKENS = 32
@@ -155,7 +157,7 @@ def test_stateless_recipes_have_no_sync():
 
 
 def test_torch_compile_executor_fuses_the_rest_not_the_linears(reference_te_v2):
-    model = Stack([DIM] * 5, frozen=every_even, act=torch.nn.functional.gelu)
+    model = Stack([DIM] * 5, frozen=every_even, act=torch.nn.functional.silu)
     jitted = _step(model, [reference_te_v2, torch_compile_ex], torch.randn(TOKENS, DIM, requires_grad=True))
     for trace in (forward_trace(jitted), backward_trace(jitted)):
         fusions = [b for b in trace.bound_symbols if b.sym.is_fusion]
@@ -239,3 +241,50 @@ def test_a_dgrad_never_accumulates_into_a_cotangent(reference_te_v2):
     torch.autograd.backward(jitted(x), [torch.randn(TOKENS, DIM), torch.randn(TOKENS, DIM)])
     (dgrad,) = bsyms_of(backward_trace(jitted), LINEAR_DGRAD)
     assert dgrad.args[2] is None
+
+
+@pytest.mark.parametrize("fusers", [[], [torch_compile_ex]], ids=["thunder", "torch.compile"])
+def test_gelus_next_to_linears_are_computed_inside_the_quantizations(reference_te_v2, fusers):
+    """Full fine-tune, x needs no grad: every GELU is read by the next forward alone, and every
+    GELU backward by the dy quantization of the linear before it (the first one's: column-wise
+    only, for its wgrad)."""
+    model = Stack([DIM] * 4, act=torch.nn.functional.gelu)
+    jitted = _step(model, [reference_te_v2, *fusers], torch.randn(TOKENS, DIM))
+    fwd, bwd = forward_trace(jitted), backward_trace(jitted)
+    assert not bsyms_of(fwd, GELU) and not bsyms_of(bwd, GELU_BACKWARD)
+    assert [b.kwargs["gelu"] for b in bsyms_of(fwd, LINEAR_FWD)] == [False, True, True]
+    quantized = {b.kwargs["state"].name: b for b in bsyms_of(bwd, QUANTIZE_GRAD_OUTPUT)}
+    for i in range(3):
+        q = quantized[f"t_linears_{i}_weight"]
+        assert (q.args[1] is not None) is (i < 2), f"dy of linear {i}"
+    assert quantized["t_linears_0_weight"].kwargs["rowwise"] is False
+
+
+def test_a_gelu_read_by_more_than_a_linear_runs_on_its_own(reference_te_v2):
+    """LoRA on both sides: the GELU's output is read by the next base and its adapter, and its
+    input's gradient by the previous base's dy quantization and its adapter's GEMMs."""
+    model = torch.nn.Sequential(
+        torch.nn.Linear(DIM, DIM),
+        LoRALinear(DIM, DIM, 16),
+        torch.nn.GELU(),
+        LoRALinear(DIM, DIM, 16),
+    ).to(torch.bfloat16)
+    jitted = _step(model, [reference_te_v2], torch.randn(TOKENS, DIM, dtype=torch.bfloat16))
+    assert len(bsyms_of(forward_trace(jitted), GELU)) == 1
+    assert len(bsyms_of(backward_trace(jitted), GELU_BACKWARD)) == 1
+    assert not any(b.kwargs["gelu"] for b in bsyms_of(forward_trace(jitted), LINEAR_FWD))
+    assert all(b.args[1] is None for b in bsyms_of(backward_trace(jitted), QUANTIZE_GRAD_OUTPUT))
+
+
+@pytest.mark.parametrize(
+    ("approximate", "claim"),
+    [("tanh", CLAIM_ALL), ("none", ClaimPolicy(min_features=0, gelu=False))],
+    ids=["tanh-gelu", "gelu-claim-off"],
+)
+def test_gelus_te_v2_does_not_take_stay_with_thunder(approximate, claim):
+    ex = make_te_v2(backend="reference", claim=claim)
+    model = Stack([DIM] * 3, act=lambda t: torch.nn.functional.gelu(t, approximate=approximate))
+    jitted = _step(model, [ex], torch.randn(TOKENS, DIM))
+    assert not bsyms_of(forward_trace(jitted), GELU)
+    assert not any(b.kwargs["gelu"] for b in bsyms_of(forward_trace(jitted), LINEAR_FWD))
+    assert not bsyms_of(backward_trace(jitted), GELU_BACKWARD)

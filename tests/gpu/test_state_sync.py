@@ -10,6 +10,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from te_v2_executor import quantization_update_scope
+from te_v2_executor.symbols import LINEAR_FWD
 from tests.gpu.common import (
     DTYPE,
     FP8_TOLS,
@@ -21,6 +22,7 @@ from tests.gpu.common import (
     te_v2_states,
     torch_linear,
 )
+from tests.helpers import bsyms_of, forward_trace
 from tests.models import Stack, copy_weights
 
 pytestmark = requires_te_gpu
@@ -29,17 +31,19 @@ DIM, TOKENS, STEPS = 256, 512, 10
 
 
 class Model(torch.nn.Module):
-    """Four linears with bias; the first two run under ``checkpoint_fn(module, x)`` if given."""
+    """Four linears, ``act`` between them; the first two run under ``checkpoint_fn(module, x)``
+    if given."""
 
-    def __init__(self, factory, *, checkpoint_fn=None) -> None:
+    def __init__(self, factory, *, checkpoint_fn=None, act=torch.relu, bias=True) -> None:
         super().__init__()
-        self.head = Stack([DIM] * 3, bias=True, factory=factory)
-        self.tail = Stack([DIM] * 3, bias=True, factory=factory)
+        self.head = Stack([DIM] * 3, bias=bias, act=act, factory=factory)
+        self.tail = Stack([DIM] * 3, bias=bias, act=act, factory=factory)
+        self.act = act
         self.checkpoint_fn = checkpoint_fn
 
     def forward(self, x):
         x = self.checkpoint_fn(self.head, x) if self.checkpoint_fn else self.head(x)
-        return self.tail(torch.relu(x))
+        return self.tail(self.act(x))
 
 
 def _torch_checkpoint(fn, x):
@@ -84,13 +88,22 @@ def _assert_states_equal(ours, theirs):
             torch.testing.assert_close(mine.scale, te_state.scale[:n], rtol=0, atol=0, msg=f"linear {i}")
 
 
-def test_state_losses_and_weights_match_te_linear_after_ten_steps():
+@pytest.mark.parametrize(
+    ("act", "bias"),
+    [(torch.relu, True), (torch.nn.functional.gelu, True), (torch.nn.functional.gelu, False)],
+    ids=["relu-bias", "gelu-bias", "gelu"],
+)
+def test_state_losses_and_weights_match_te_linear_after_ten_steps(act, bias):
+    """With GELUs, te_v2 computes them inside its FP8 casts (forward; backward too without a bias
+    grad to compute): the amaxes it records must still be those of te.Linear's casts."""
     recipe = delayed_recipe()
-    model = Model(torch_linear)
-    te_model = copy_weights(Model(te_linear), model)
+    model = Model(torch_linear, act=act, bias=bias)
+    te_model = copy_weights(Model(te_linear, act=act, bias=bias), model)
     xs = [torch.randn(TOKENS, DIM, device="cuda", dtype=DTYPE) for _ in range(STEPS)]
     jitted = jit_te_v2(model)
     losses = _train(jitted, model, xs, recipe)
+    folded = [b.kwargs["gelu"] for b in bsyms_of(forward_trace(jitted), LINEAR_FWD)]
+    assert sum(folded) == (3 if act is torch.nn.functional.gelu else 0)
     te_losses = _train(te_model, te_model, xs, recipe)
     torch.testing.assert_close(losses, te_losses, **FP8_TOLS)
     for (name, p), q in zip(model.named_parameters(), te_model.parameters(), strict=True):

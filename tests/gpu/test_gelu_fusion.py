@@ -1,0 +1,95 @@
+"""te_v2's GELU-and-cast kernel on TransformerEngine: against PyTorch's GELU followed by TE's
+own cast, and which kernels a step of a GELU model runs. (Parity of GELU models with te.Linear
+eager, delayed-scaling state included, is in test_state_sync and test_te_parity.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.gpu.common import DTYPE, jit_te_v2, kernels_per_step, requires_te_gpu, torch_linear
+from tests.models import Stack
+
+pytestmark = requires_te_gpu
+
+SHAPE = (528, 1040)  # multiples of 16 (TE's cast), not of the kernel's 64-wide tiles
+FUSED_KERNEL = "_gelu_cast_transpose_kernel"
+
+
+def _te_cast(h: torch.Tensor, fp8_dtype: torch.dtype, scale: float, *, columnwise: bool):
+    """TE's delayed-scaling cast of ``h``: row-wise data, column-wise data, scale_inv, amax."""
+    import transformer_engine_torch as tex
+    from transformer_engine.pytorch.tensor.float8_tensor import Float8Quantizer
+
+    te_dtype = {torch.float8_e4m3fn: tex.DType.kFloat8E4M3, torch.float8_e5m2: tex.DType.kFloat8E5M2}
+    amax = torch.zeros(1, device="cuda")
+    quantizer = Float8Quantizer(torch.tensor([scale], device="cuda"), amax, te_dtype[fp8_dtype])
+    quantizer.set_usage(rowwise=True, columnwise=columnwise)
+    t = quantizer(h)
+    return t._data, t._transpose, t._scale_inv, amax
+
+
+def _signed_steps(codes: torch.Tensor) -> torch.Tensor:
+    """FP8 codes (uint8, sign and magnitude) as integers ordered like their values: adjacent
+    values are one apart, -0 and +0 both 0."""
+    magnitude = (codes & 0x7F).to(torch.int16)
+    return torch.where(codes >= 0x80, -magnitude, magnitude)
+
+
+def _assert_same_fp8(ours: torch.Tensor, theirs: torch.Tensor, what: str):
+    """Equal FP8 codes, but for rare elements one step apart: values on a rounding boundary, where
+    the last fp32 bit of the GELU math (contracted multiply-adds, libdevice) decides."""
+    steps = (_signed_steps(ours) - _signed_steps(theirs)).abs()
+    differ = float((steps > 0).float().mean())
+    print(f"{what}: {differ:.4%} of the codes one step apart, at most {int(steps.max())} steps")
+    assert int(steps.max()) <= 1, f"{what}: codes {int(steps.max())} steps apart"
+    assert differ < 1e-2, f"{what}: {differ:.2%} of the FP8 codes differ"
+
+
+@pytest.mark.parametrize("usage", ["both", "columnwise"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("fp8_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=str)
+@pytest.mark.parametrize("backward", [False, True], ids=["gelu", "gelu-backward"])
+def test_kernel_matches_pytorch_gelu_then_te_cast(backward, fp8_dtype, dtype, usage):
+    from te_v2_executor.gelu_quantize import gelu_cast_transpose
+
+    torch.manual_seed(0)
+    x = (3 * torch.randn(SHAPE, device="cuda")).to(dtype)
+    grad = torch.randn(SHAPE, device="cuda").to(dtype) if backward else None
+    h = torch.ops.aten.gelu_backward(grad, x) if backward else torch.nn.functional.gelu(x)
+    scale = 64.0  # large enough that some e4m3 values saturate at 448
+    row_te, col_te, scale_inv_te, amax_te = _te_cast(h, fp8_dtype, scale, columnwise=True)
+
+    amax = torch.full((1,), 0.5, device="cuda")  # raised, as a history slot already written to
+    row, col, scale_inv = gelu_cast_transpose(
+        x,
+        grad,
+        torch.tensor([scale], device="cuda"),
+        amax,
+        fp8_dtype,
+        rowwise=usage == "both",
+        columnwise=True,
+    )
+    assert (row is None) is (usage == "columnwise")
+    if row is not None:
+        _assert_same_fp8(row, row_te, "row-wise")
+    _assert_same_fp8(col, col_te, "column-wise")
+    torch.testing.assert_close(scale_inv, scale_inv_te, rtol=0, atol=0)
+    torch.testing.assert_close(
+        amax, torch.maximum(amax_te, torch.tensor(0.5, device="cuda")), rtol=2**-7, atol=0
+    )
+    if fp8_dtype == torch.float8_e4m3fn and not backward:
+        assert (row_te.view(fp8_dtype).float().abs() == 448).any(), (
+            "nothing saturated: the clamp went untested"
+        )
+
+
+def test_a_gelu_model_step_runs_the_fused_kernel_and_no_other_gelu():
+    """Four linears, GELUs between them, no bias: 3 GELUs, each once forward and once backward."""
+    from transformer_engine.common.recipe import DelayedScaling
+
+    model = Stack([256] * 5, act=torch.nn.functional.gelu, factory=torch_linear)
+    x = torch.randn(512, 256, device="cuda", dtype=DTYPE)
+    names = kernels_per_step(jit_te_v2(model), x, DelayedScaling())
+    assert sum(FUSED_KERNEL in n for n in names) == 2 * 3
+    assert [n for n in names if "gelu" in n.lower() and FUSED_KERNEL not in n] == []
