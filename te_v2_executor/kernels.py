@@ -116,9 +116,10 @@ def _keep_columnwise_only(q: Any) -> Any:
     return q
 
 
-def _gelu_fusable(quantizer: Any) -> bool:
-    """Per-tensor delayed scaling: its scale is known before the values, so one pass can cast."""
-    return isinstance(quantizer, Float8Quantizer)
+def _gelu_fusable(quantizer: Any, a: torch.Tensor) -> bool:
+    """Per-tensor delayed scaling, whose scale is known before the values so that one pass can
+    cast, of a bfloat16 tensor (the only dtype the kernel is validated for)."""
+    return isinstance(quantizer, Float8Quantizer) and a.dtype == torch.bfloat16
 
 
 def _gelu_quantize(
@@ -168,7 +169,7 @@ def linear_fwd(
     """
     input_quantizer, weight_quantizer = scaling.quantizers
     x2d = x.reshape(-1, x.shape[-1])
-    if gelu and _gelu_fusable(input_quantizer):
+    if gelu and _gelu_fusable(input_quantizer, x2d):
         xq = _gelu_quantize(
             x2d,
             None,
@@ -220,7 +221,12 @@ def quantize_grad_output(
     (quantizer,) = scaling.quantizers
     if gelu_input is not None:
         a2d = gelu_input.reshape(dy2d.shape)
-        if (rowwise or columnwise) and not bgrad and _gelu_fusable(quantizer):
+        if (
+            (rowwise or columnwise)
+            and not bgrad
+            and _gelu_fusable(quantizer, dy2d)
+            and a2d.dtype == dy2d.dtype
+        ):
             dy_q = _gelu_quantize(
                 a2d, dy2d, quantizer, scaling.recipe, rowwise=rowwise, columnwise=columnwise, forward=False
             )

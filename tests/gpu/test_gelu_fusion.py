@@ -7,8 +7,19 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.gpu.common import DTYPE, jit_te_v2, kernels_per_step, requires_te_gpu, torch_linear
-from tests.models import Stack
+from te_v2_executor.symbols import LINEAR_FWD
+from tests.gpu.common import (
+    DTYPE,
+    FP8_TOLS,
+    jit_te_v2,
+    kernels_per_step,
+    requires_te_gpu,
+    te_linear,
+    torch_linear,
+    train_step,
+)
+from tests.helpers import bsyms_of, forward_trace
+from tests.models import Stack, copy_weights, grads
 
 pytestmark = requires_te_gpu
 
@@ -47,12 +58,12 @@ def _assert_same_fp8(ours: torch.Tensor, theirs: torch.Tensor, what: str):
 
 
 @pytest.mark.parametrize("usage", ["both", "columnwise"])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 @pytest.mark.parametrize("fp8_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=str)
 @pytest.mark.parametrize("backward", [False, True], ids=["gelu", "gelu-backward"])
-def test_kernel_matches_pytorch_gelu_then_te_cast(backward, fp8_dtype, dtype, usage):
+def test_kernel_matches_pytorch_gelu_then_te_cast(backward, fp8_dtype, usage):
     from te_v2_executor.gelu_quantize import gelu_cast_transpose
 
+    dtype = torch.bfloat16
     torch.manual_seed(0)
     x = (3 * torch.randn(SHAPE, device="cuda")).to(dtype)
     grad = torch.randn(SHAPE, device="cuda").to(dtype) if backward else None
@@ -82,6 +93,47 @@ def test_kernel_matches_pytorch_gelu_then_te_cast(backward, fp8_dtype, dtype, us
         assert (row_te.view(fp8_dtype).float().abs() == 448).any(), (
             "nothing saturated: the clamp went untested"
         )
+
+
+def test_the_kernel_refuses_float32():
+    """Seen on an H200: float32 tiles stored both row-wise and transposed came out wrong (a
+    quarter of the transposed codes), so the kernel takes bfloat16 only."""
+    from te_v2_executor.gelu_quantize import gelu_cast_transpose
+
+    x = torch.randn(SHAPE, device="cuda")
+    one = torch.ones(1, device="cuda")
+    with pytest.raises(ValueError, match="bfloat16 only"):
+        gelu_cast_transpose(x, None, one, one.clone(), torch.float8_e4m3fn, rowwise=True, columnwise=True)
+
+
+def test_a_float32_gelu_model_falls_back_to_pytorch_gelu_and_matches_te_linear():
+    """float32 activations: the GELUs are still folded in the trace, but run as PyTorch's GELU
+    followed by TE's cast, and the step matches te.Linear eager."""
+    from transformer_engine.common.recipe import DelayedScaling
+
+    model = Stack(
+        [256] * 4, act=torch.nn.functional.gelu, factory=lambda i, o, b: te_linear(i, o, b, torch.float32)
+    )
+    twin = copy_weights(
+        Stack(
+            [256] * 4,
+            act=torch.nn.functional.gelu,
+            factory=lambda i, o, b: torch.nn.Linear(i, o, bias=b, device="cuda"),
+        ),
+        model,
+    )
+    x = torch.randn(512, 256, device="cuda", requires_grad=True)
+    y_te = train_step(model, x, DelayedScaling())
+    dx_te, x.grad = x.grad, None
+    jitted = jit_te_v2(twin)
+    y = train_step(jitted, x, DelayedScaling())
+    assert sum(b.kwargs["gelu"] for b in bsyms_of(forward_trace(jitted), LINEAR_FWD)) == 2
+    torch.testing.assert_close(y, y_te, **FP8_TOLS)
+    torch.testing.assert_close(x.grad, dx_te, **FP8_TOLS)
+    for name, grad in grads(twin).items():
+        torch.testing.assert_close(grad, grads(model)[name], **FP8_TOLS, msg=name)
+    names = kernels_per_step(jitted, x, DelayedScaling())
+    assert not any(FUSED_KERNEL in n for n in names)
 
 
 def test_a_gelu_model_step_runs_the_fused_kernel_and_no_other_gelu():
