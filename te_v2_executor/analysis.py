@@ -261,12 +261,23 @@ def _gelu_folded(bsym: BoundSymbol, producers: Any, consumers: Any) -> tuple[Bou
     return gelu, bsym.from_bsym(args=args, kwargs={**bsym.kwargs, **flag})
 
 
+def has_in_place_ops(trace: TraceCtx) -> bool:
+    """Whether ``trace`` writes into an existing tensor (Thunder's ``copy_``, ``update_aliases``
+    and the other in-place ops, named with a trailing ``_``): a pass that moves a read past
+    another op, or merges two tensors, could then see a different value."""
+    return any(b.sym.name.endswith("_") or b.sym.name == "update_aliases" for b in trace.bound_symbols)
+
+
 def fuse_gelus(trace: TraceCtx) -> TraceCtx:
     """Compute each exact GELU read only by a te_v2 forward inside that forward's input
     quantization, and each GELU backward read only by a dy quantization inside it.
 
     ``te_v2_linear_fwd(gelu(a), ...)`` becomes ``te_v2_linear_fwd(a, ..., gelu=True)`` and
     ``te_v2_quantize_grad_output(gelu_backward(g, a))`` becomes ``te_v2_quantize_grad_output(g, a)``:
-    the activation, or its gradient, is never written in BF16 to be read back by the cast.
+    the activation, or its gradient, is never written in BF16 to be read back by the cast. The
+    fold moves the read of ``a`` (and ``g``) to the te_v2 symbol, so a trace with in-place ops,
+    which might write into them in between, is left as it is.
     """
+    if has_in_place_ops(trace):
+        return trace
     return _fold(trace, _gelu_folded)

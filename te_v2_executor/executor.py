@@ -55,10 +55,10 @@ def _merge_duplicate_casts_and_views(trace: TraceCtx) -> TraceCtx:
     LoRA backward.
 
     Only these ops: Thunder's general CSE would also merge random draws and fresh buffers that are
-    later written in place. Nothing is merged in a trace with in-place ops (names ending in
-    ``_``), whose writes into one copy the other must not see.
+    later written in place. Nothing is merged in a trace with in-place ops, whose writes into one
+    copy the other must not see.
     """
-    if any(bsym.sym.name.endswith("_") for bsym in trace.bound_symbols):
+    if analysis.has_in_place_ops(trace):
         return trace
     redundant: dict = {}
     first: dict = {}

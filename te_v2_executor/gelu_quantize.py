@@ -7,7 +7,8 @@ computed in registers and stored once per FP8 copy asked for: row-wise, column-w
 or both. The numerics are PyTorch's GELU kernels' (fp32 math with CUDA's libdevice erf and exp,
 one rounding to the input's dtype)
 followed by TE's delayed-scaling cast: amax of the rounded values into ``amax``, saturating
-round-to-nearest of ``value * scale``, and ``scale_inv = 1 / scale``.
+round-to-nearest of ``value * scale`` (NaN stays NaN, as in TE's cast), and
+``scale_inv = 1 / scale``.
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ def _gelu_cast_transpose_kernel(
     value = value.to(x.dtype).to(tl.float32)
     tl.atomic_max(amax_ptr, tl.max(tl.max(tl.abs(value), axis=1), axis=0))
     scale = tl.load(scale_ptr)
-    quantized = tl.clamp(value * scale, -FP8_MAX, FP8_MAX)
+    quantized = tl.clamp(value * scale, -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
     if ROWWISE:
         tl.store(row_ptr + offsets, quantized.to(row_ptr.dtype.element_ty), mask=mask)
     if COLUMNWISE:
@@ -83,8 +84,8 @@ def gelu_cast_transpose(
     unless asked for, and ``scale_inv``. ``amax`` (one float32) is raised to the values' amax in
     place, as TE's cast updates a delayed-scaling history slot.
     """
-    if x.dim() != 2 or (grad is not None and grad.shape != x.shape):
-        raise ValueError(f"te_v2: gelu_cast_transpose takes 2-D tensors, got {tuple(x.shape)}")
+    if x.dim() != 2 or x.numel() == 0 or (grad is not None and grad.shape != x.shape):
+        raise ValueError(f"te_v2: gelu_cast_transpose takes non-empty 2-D tensors, got {tuple(x.shape)}")
     if x.dtype != torch.bfloat16 or (grad is not None and grad.dtype != torch.bfloat16):
         raise ValueError(
             "te_v2: gelu_cast_transpose is validated for bfloat16 only (float32 tiles stored both "

@@ -24,6 +24,7 @@ from transformer_engine.pytorch.module.base import _2X_ACC_DGRAD, _2X_ACC_FPROP,
 from transformer_engine.pytorch.quantization import FP8GlobalStateManager, RecipeState, get_fp8_te_dtype
 from transformer_engine.pytorch.tensor.float8_tensor import Float8Quantizer, Float8Tensor
 from transformer_engine.pytorch.tensor.storage.float8_tensor_storage import Float8TensorStorage
+from transformer_engine.pytorch.utils import is_non_tn_fp8_gemm_supported
 
 from te_v2_executor.gelu_quantize import gelu_cast_transpose
 from te_v2_executor.recipes import RecipeSpec, Scaling
@@ -118,8 +119,14 @@ def _keep_columnwise_only(q: Any) -> Any:
 
 def _gelu_fusable(quantizer: Any, a: torch.Tensor) -> bool:
     """Per-tensor delayed scaling, whose scale is known before the values so that one pass can
-    cast, of a bfloat16 tensor (the only dtype the kernel is validated for)."""
-    return isinstance(quantizer, Float8Quantizer) and a.dtype == torch.bfloat16
+    cast, of a non-empty bfloat16 tensor (the only dtype the kernel is validated for), on a GPU
+    whose FP8 GEMMs read transposed copies (Hopper; newer ones read the row-wise data only)."""
+    return (
+        isinstance(quantizer, Float8Quantizer)
+        and a.dtype == torch.bfloat16
+        and a.numel() > 0
+        and not is_non_tn_fp8_gemm_supported()
+    )
 
 
 def _gelu_quantize(

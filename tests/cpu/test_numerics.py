@@ -16,7 +16,7 @@ from thunder.executors.torch_compile import torch_compile_ex
 
 from te_v2_executor import ClaimPolicy, analysis, block_scaling, current_scaling, delayed_scaling, make_te_v2
 from te_v2_executor import executor as executor_module
-from te_v2_executor.symbols import GELU, GELU_BACKWARD, LINEAR_DGRAD
+from te_v2_executor.symbols import GELU, GELU_BACKWARD, LINEAR_DGRAD, LINEAR_FWD
 from tests.helpers import CLAIM_ALL, backward_trace, bsyms_of, eager_emulation, sqnr_db
 from tests.models import Checkpointed, LoRAStack, SharedWeight, Stack, every_even, grads
 
@@ -189,6 +189,31 @@ def test_folding_gelus_changes_no_gradient(fusers, dtype, monkeypatch):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     for name, grad in g.items():
         torch.testing.assert_close(grad, g_plain[name], rtol=0, atol=0, msg=name)
+
+
+class GeluThenInPlace(torch.nn.Module):
+    """The GELU's input is changed in place after the GELU ran and before the linear reads it."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(dim, dim, bias=False)
+
+    def forward(self, a: torch.Tensor) -> torch.Tensor:
+        h = torch.nn.functional.gelu(a)
+        a.mul_(3)
+        return self.linear(h)
+
+
+def test_a_gelu_whose_input_is_then_written_in_place_is_not_folded():
+    """Folding would move the read of the GELU's input past the write (seen: 2.3 relative error)."""
+    model = GeluThenInPlace(64)
+    a = torch.randn(64, 64)
+    with torch.no_grad():
+        expected = model(a.clone())
+        jitted = thunder.jit(model, executors=[make_te_v2(backend="reference", claim=CLAIM_ALL)])
+        y = jitted(a.clone())
+    assert not any(b.kwargs["gelu"] for b in bsyms_of(thunder.last_traces(jitted)[-1], LINEAR_FWD))
+    assert sqnr_db(y, expected) > FWD_FLOOR
 
 
 class TwoDraws(torch.nn.Module):

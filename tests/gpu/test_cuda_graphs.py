@@ -35,6 +35,8 @@ FUSERS = {"thunder": [], "torch.compile": [torch_compile_ex]}
 def _model(scenario: str) -> torch.nn.Module:
     if scenario == "lora":
         return LoRAStack([DIM] * 3, rank=16, factory=torch_linear)
+    if scenario == "bias":
+        return Stack([DIM] * 3, bias=True, factory=torch_linear)
     # GELUs, no bias: te_v2's GELU-and-cast kernel runs forward and backward inside the graphs
     return Stack([DIM] * 3, act=torch.nn.functional.gelu, factory=torch_linear)
 
@@ -73,7 +75,7 @@ def _assert_states_equal(ours, theirs):
 
 
 @pytest.mark.parametrize("fuser", FUSERS)
-@pytest.mark.parametrize("scenario", ["full", "lora"])
+@pytest.mark.parametrize("scenario", ["full", "bias", "lora"])
 def test_graphs_replay_exactly_what_the_trace_computes(scenario, fuser):
     recipe = delayed_recipe()
     model = _model(scenario)

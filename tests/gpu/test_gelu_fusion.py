@@ -57,7 +57,7 @@ def _assert_same_fp8(ours: torch.Tensor, theirs: torch.Tensor, what: str):
     assert differ < 1e-2, f"{what}: {differ:.2%} of the FP8 codes differ"
 
 
-@pytest.mark.parametrize("usage", ["both", "columnwise"])
+@pytest.mark.parametrize("usage", ["both", "columnwise", "rowwise"])
 @pytest.mark.parametrize("fp8_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=str)
 @pytest.mark.parametrize("backward", [False, True], ids=["gelu", "gelu-backward"])
 def test_kernel_matches_pytorch_gelu_then_te_cast(backward, fp8_dtype, usage):
@@ -78,13 +78,14 @@ def test_kernel_matches_pytorch_gelu_then_te_cast(backward, fp8_dtype, usage):
         torch.tensor([scale], device="cuda"),
         amax,
         fp8_dtype,
-        rowwise=usage == "both",
-        columnwise=True,
+        rowwise=usage != "columnwise",
+        columnwise=usage != "rowwise",
     )
-    assert (row is None) is (usage == "columnwise")
+    assert (row is None) is (usage == "columnwise") and (col is None) is (usage == "rowwise")
     if row is not None:
         _assert_same_fp8(row, row_te, "row-wise")
-    _assert_same_fp8(col, col_te, "column-wise")
+    if col is not None:
+        _assert_same_fp8(col, col_te, "column-wise")
     torch.testing.assert_close(scale_inv, scale_inv_te, rtol=0, atol=0)
     torch.testing.assert_close(
         amax, torch.maximum(amax_te, torch.tensor(0.5, device="cuda")), rtol=2**-7, atol=0
@@ -93,6 +94,22 @@ def test_kernel_matches_pytorch_gelu_then_te_cast(backward, fp8_dtype, usage):
         assert (row_te.view(fp8_dtype).float().abs() == 448).any(), (
             "nothing saturated: the clamp went untested"
         )
+
+
+def test_nan_stays_nan_as_in_te_cast():
+    """A NaN activation must stay NaN in FP8 (a clamp that drops NaN would hide a diverging run)."""
+    from te_v2_executor.gelu_quantize import gelu_cast_transpose
+
+    x = torch.randn(SHAPE, device="cuda", dtype=torch.bfloat16)
+    x[3, 5] = float("nan")
+    row_te, col_te, _, _ = _te_cast(torch.nn.functional.gelu(x), torch.float8_e4m3fn, 1.0, columnwise=True)
+    one = torch.ones(1, device="cuda")
+    row, col, _ = gelu_cast_transpose(
+        x, None, one, one.clone(), torch.float8_e4m3fn, rowwise=True, columnwise=True
+    )
+    assert torch.isnan(row.view(torch.float8_e4m3fn)[3, 5].float())
+    assert torch.isnan(col.view(torch.float8_e4m3fn)[5, 3].float())
+    assert int(row[3, 5]) == int(row_te[3, 5]) and int(col[5, 3]) == int(col_te[5, 3])
 
 
 def test_the_kernel_refuses_float32():
