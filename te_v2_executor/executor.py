@@ -21,9 +21,10 @@ from thunder.extend import FusionExecutor
 from te_v2_executor import analysis, explain
 from te_v2_executor.backends import Backend
 from te_v2_executor.config import ClaimPolicy, TEv2Config
-from te_v2_executor.lowering import LINEAR_IDS, LinearLowering, operands
+from te_v2_executor.lowering import LINEAR_IDS, LinearLowering, gelu_as_torch_ops, operands
 from te_v2_executor.recipes import RecipeSpec
 from te_v2_executor.state import registry_for
+from te_v2_executor.symbols import GELU, GELU_BACKWARD
 
 
 class TEv2FallbackWarning(UserWarning):
@@ -78,6 +79,20 @@ def _merge_duplicate_casts_and_views(trace: TraceCtx) -> TraceCtx:
     return new_trace
 
 
+def _unfolded_gelus_as_torch_ops(trace: TraceCtx) -> TraceCtx:
+    """Hand each GELU the analysis did not fold back to the fusion executors, as torch-level ops
+    they can fuse with their neighbours (PyTorch's own kernel, run on its own, cannot)."""
+    bsyms = []
+    for bsym in trace.bound_symbols:
+        if bsym.sym in (GELU, GELU_BACKWARD):
+            bsyms.extend(gelu_as_torch_ops(bsym, trace))
+        else:
+            bsyms.append(bsym)
+    new_trace = from_trace(trace)
+    new_trace.bound_symbols = bsyms
+    return new_trace
+
+
 class TEv2Executor(FusionExecutor):
     """Claims Thunder's linears and lowers them to FP8 GEMMs, running only the gradients the
     backward consumes. Use it first: ``thunder.jit(model, executors=[te_v2, ...])``."""
@@ -93,6 +108,14 @@ class TEv2Executor(FusionExecutor):
 
     def set_fuel(self, value: Any) -> None:
         """te_v2 makes no fusions, so there is no fuel to limit."""
+
+    def _fuser_follows(self, compile_data: Any) -> bool:
+        """Whether another fusion executor (nvFuser, torch.compile) comes after te_v2."""
+        if compile_data is None:
+            return False
+        listed = list(compile_data.executors_list)
+        later = listed[listed.index(self) + 1 :] if self in listed else []
+        return any(isinstance(ex, FusionExecutor) for ex in later)
 
     def fusion_pass(self, trace: TraceCtx) -> TraceCtx:
         """Analyse the joint trace: trim forwards and dy quantizations to what the backward
@@ -114,6 +137,8 @@ class TEv2Executor(FusionExecutor):
         new_trace = analysis.insert_syncs(new_trace, grad_enabled=grad_enabled)
         new_trace = analysis.accumulate_dgrads(_merge_duplicate_casts_and_views(new_trace))
         new_trace = analysis.fuse_gelus(new_trace)
+        if self._fuser_follows(compile_data):
+            new_trace = _unfolded_gelus_as_torch_ops(new_trace)
         new_trace.set_provenance(TraceProvenance("te_v2 backward-consumption analysis"))
         registry_for(compile_data).record(
             explain.te_v2_signature(new_trace.bound_symbols), explain.report_from_trace(new_trace, fallbacks)

@@ -15,7 +15,9 @@ from thunder.core import dtypes, prims
 from thunder.core.compile_data import get_compile_data
 from thunder.core.jit_ext import get_jit_ctx
 from thunder.core.prims import get_grad, put_grad
-from thunder.core.proxies import TensorProxy
+from thunder.core.proxies import TensorProxy, variableify
+from thunder.core.symbol import BoundSymbol
+from thunder.core.trace import TraceCtx, from_trace, tracectx
 from thunder.extend import Executor
 
 from te_v2_executor import backends, checks
@@ -170,3 +172,26 @@ class LinearLowering:
                 grad_transform=self.grad_transform,
             )
         self.executor._lookasides[torch.nn.functional.linear] = self.lookaside
+
+
+_SQRT1_2 = 0.7071067811865476
+_INV_SQRT_2PI = 0.3989422804014327
+
+
+def _gelu_backward_ops(grad: TensorProxy, a: TensorProxy) -> TensorProxy:
+    """PyTorch's exact GELU backward in fp32, rounded once to ``a``'s dtype."""
+    x = ltorch.to(a, torch.float32)
+    cdf = ltorch.mul(0.5, ltorch.add(1.0, ltorch.erf(ltorch.mul(x, _SQRT1_2))))
+    pdf = ltorch.mul(ltorch.exp(ltorch.mul(ltorch.mul(-0.5, x), x)), _INV_SQRT_2PI)
+    dx = ltorch.mul(ltorch.to(grad, torch.float32), ltorch.add(cdf, ltorch.mul(x, pdf)))
+    return ltorch.to(dx, _torch_dtype(a))
+
+
+def gelu_as_torch_ops(bsym: BoundSymbol, trace: TraceCtx) -> list[BoundSymbol]:
+    """A ``te_v2_gelu`` or ``te_v2_gelu_backward`` bound symbol as Thunder torch-level ops with the
+    same output proxy, for a fusion executor to fuse with its neighbours."""
+    scratch = from_trace(trace)
+    with tracectx(scratch):
+        out = ltorch.gelu(*bsym.args) if bsym.sym is GELU else _gelu_backward_ops(*bsym.args)
+    swap = {variableify(out): bsym.output}
+    return [b.from_bsym_swap_proxies(swap) for b in scratch.bound_symbols]

@@ -156,7 +156,9 @@ def test_accumulating_a_dgrad_changes_no_gradient(fusers, monkeypatch):
 @pytest.mark.parametrize("fusers", [[], [torch_compile_ex]], ids=["thunder", "torch.compile"])
 def test_folding_gelus_changes_no_gradient(fusers, dtype, monkeypatch):
     """GELUs computed inside the quantizations give bitwise the outputs and gradients of GELUs
-    run on their own (the first GELU's output is also returned, so only its backward folds)."""
+    run on their own by PyTorch's kernels (the first GELU's output is also returned, so only its
+    backward folds; unfolded GELUs are kept from torch.compile to compare like with like)."""
+    monkeypatch.setattr(executor_module, "_unfolded_gelus_as_torch_ops", lambda trace: trace)
 
     class Model(torch.nn.Module):
         def __init__(self) -> None:
@@ -189,6 +191,38 @@ def test_folding_gelus_changes_no_gradient(fusers, dtype, monkeypatch):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     for name, grad in g.items():
         torch.testing.assert_close(grad, g_plain[name], rtol=0, atol=0, msg=name)
+
+
+def test_gelus_handed_back_to_torch_compile_compute_pytorchs_gelu():
+    """Unfolded GELUs (a residual reads the GELU's output, and adds to its input's gradient)
+    fused by torch.compile give the outputs and gradients of PyTorch's GELU kernels, which te_v2
+    runs without a fuser, in float32 to rounding (in bfloat16, torch.compile also skips the
+    rounding between the GELU backward and the residual's add). The linear stays in torch (claim
+    policy), so no FP8 rounding amplifies a last-bit difference."""
+
+    class Residual(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = torch.nn.Linear(64, 64)
+
+        def forward(self, x):
+            a = self.linear(x)
+            return torch.nn.functional.gelu(a) + a
+
+    model = Residual()
+    x = torch.randn(32, 64)
+    results = []
+    for fusers in ([], [torch_compile_ex]):
+        m = copy.deepcopy(model)
+        ex = make_te_v2(backend="reference", claim=ClaimPolicy(min_features=128))
+        jitted = thunder.jit(m, executors=[ex, *fusers])
+        xx = x.detach().clone().requires_grad_()
+        y = jitted(xx)
+        y.backward(torch.linspace(-2, 2, y.numel()).reshape(y.shape))
+        assert bool(bsyms_of(backward_trace(jitted), GELU_BACKWARD)) is not bool(fusers)
+        results.append((y, xx.grad, *grads(m).values()))
+    for a, b in zip(*results, strict=True):  # sums of last-bit differences (inductor's erf, exp)
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
 class GeluThenInPlace(torch.nn.Module):

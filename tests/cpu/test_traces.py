@@ -260,20 +260,36 @@ def test_gelus_next_to_linears_are_computed_inside_the_quantizations(reference_t
     assert quantized["t_linears_0_weight"].kwargs["rowwise"] is False
 
 
-def test_a_gelu_read_by_more_than_a_linear_runs_on_its_own(reference_te_v2):
-    """LoRA on both sides: the GELU's output is read by the next base and its adapter, and its
-    input's gradient by the previous base's dy quantization and its adapter's GEMMs."""
-    model = torch.nn.Sequential(
+def _lora_around_gelu() -> torch.nn.Module:
+    """A trained linear, then LoRA linears on both sides of a GELU: nothing about it can fold."""
+    return torch.nn.Sequential(
         torch.nn.Linear(DIM, DIM),
         LoRALinear(DIM, DIM, 16),
         torch.nn.GELU(),
         LoRALinear(DIM, DIM, 16),
     ).to(torch.bfloat16)
+
+
+def test_a_gelu_read_by_more_than_a_linear_runs_on_its_own(reference_te_v2):
+    """LoRA on both sides: the GELU's output is read by the next base and its adapter, and its
+    input's gradient by the previous base's dy quantization and its adapter's GEMMs."""
+    model = _lora_around_gelu()
     jitted = _step(model, [reference_te_v2], torch.randn(TOKENS, DIM, dtype=torch.bfloat16))
     assert len(bsyms_of(forward_trace(jitted), GELU)) == 1
     assert len(bsyms_of(backward_trace(jitted), GELU_BACKWARD)) == 1
     assert not any(b.kwargs["gelu"] for b in bsyms_of(forward_trace(jitted), LINEAR_FWD))
     assert all(b.args[1] is None for b in bsyms_of(backward_trace(jitted), QUANTIZE_GRAD_OUTPUT))
+
+
+def test_with_a_fuser_after_te_v2_unfolded_gelus_go_back_to_it(reference_te_v2):
+    """The same LoRA model with torch.compile after te_v2: the GELU it cannot fold is fused by
+    torch.compile with its neighbours instead of running PyTorch's kernel on its own."""
+    model = _lora_around_gelu()
+    jitted = _step(model, [reference_te_v2, torch_compile_ex], torch.randn(TOKENS, DIM, dtype=torch.bfloat16))
+    for trace, sym in ((forward_trace(jitted), GELU), (backward_trace(jitted), GELU_BACKWARD)):
+        assert not bsyms_of(trace, sym)
+        fused = {s.sym.name for b in trace.bound_symbols if b.sym.is_fusion for s in b.subsymbols}
+        assert {"gelu"} <= fused if sym is GELU else {"erf", "exp"} <= fused
 
 
 @pytest.mark.parametrize(
