@@ -112,6 +112,13 @@ class ScalingState:
         return state
 
 
+def _quantize(quantizer: Any, tensor: torch.Tensor) -> Any:
+    """``quantizer(tensor)`` less its wrapper, which only serves autograd, casts into an existing
+    tensor and amax-reduction groups, none of which te_v2 uses; on an H200's host the wrapper cost
+    13 us a call, against 31 us for the cast itself."""
+    return quantizer.quantize_impl(tensor)
+
+
 def _keep_columnwise_only(q: Any) -> Any:
     q.update_usage(rowwise_usage=False, columnwise_usage=True)
     return q
@@ -188,11 +195,11 @@ def linear_fwd(
         )
     else:
         input_quantizer.set_usage(rowwise=True, columnwise=save_input)
-        xq = input_quantizer(torch.nn.functional.gelu(x2d) if gelu else x2d)
+        xq = _quantize(input_quantizer, torch.nn.functional.gelu(x2d) if gelu else x2d)
     wq = None
     if compute_output or save_weight:
         weight_quantizer.set_usage(rowwise=True, columnwise=save_weight)
-        wq = weight_quantizer(w)
+        wq = _quantize(weight_quantizer, w)
     y = None
     if compute_output:
         if bias is not None and x.dtype == torch.float32:
@@ -245,7 +252,7 @@ def quantize_grad_output(
     if bgrad and columnwise and scaling.recipe.per_tensor:
         dbias, dy_q = tex.bgrad_quantize(dy2d, quantizer)
         return dy_q, dbias
-    return quantizer(dy2d), dy2d.sum(0) if bgrad else None
+    return _quantize(quantizer, dy2d), dy2d.sum(0) if bgrad else None
 
 
 def _backward_gemm(
