@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import gc
 import json
 import os
 import signal
@@ -37,6 +36,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from benchmarks import shapes
+from benchmarks.measure import forget_variant
 from benchmarks.models import needed_flops
 from benchmarks.variants import Variant, build, reference_model, variants
 
@@ -164,8 +164,7 @@ def run_one(
             medians = [None] * dist.get_world_size()
             dist.all_gather_object(medians, row["step_ms"])
             row["step_ms_per_rank"] = medians
-    gc.collect()
-    torch.cuda.empty_cache()
+    forget_variant()
     return row
 
 

@@ -59,6 +59,19 @@ def make_step(
     return step
 
 
+def forget_variant() -> None:
+    """Free what a measured variant left behind, so the next one does not pay for it: unreachable
+    objects, cached GPU blocks, and TransformerEngine's global FP8 buffers. Every ``te.Linear``
+    registers its amax history there for good, and each later ``te.autocast`` exit reduces and
+    updates every registered history, a deleted model's too: under an amax reduction group that
+    is one more all-reduce per step of whichever variant runs next."""
+    from transformer_engine.pytorch.quantization import FP8GlobalStateManager
+
+    gc.collect()
+    FP8GlobalStateManager.reset()
+    torch.cuda.empty_cache()
+
+
 def warm_up_process() -> None:
     """Allocate what a process allocates once (TE's and cuBLAS's GEMM workspaces) before any
     variant is measured, so that no variant's peak memory carries it for the others."""

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from benchmarks import ddp, shapes
-from benchmarks.measure import make_step, measure, warm_up_process, without_te_gpu
+from benchmarks.measure import forget_variant, make_step, measure, warm_up_process, without_te_gpu
 from benchmarks.models import SCENARIOS, needed_flops
 from benchmarks.variants import Variant, build, reference_model, variants
 from te_v2_executor import TEv2FallbackWarning
@@ -103,8 +103,7 @@ def run_one(config: dict[str, Any], variant: Variant, *, warmup: int, steps: int
         row["error"] = f"{type(e).__name__}: {e}"
         traceback.print_exc()
     finally:
-        gc.collect()
-        torch.cuda.empty_cache()
+        forget_variant()
     return row
 
 
