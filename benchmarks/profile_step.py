@@ -5,14 +5,18 @@
 For the LoRA and full-fine-tune MLP configurations, per variant: the median step time (CUDA
 events), the host time to issue one step (wall time of the call, before synchronizing), the GPU
 busy time (sum of kernel durations, torch.profiler), and, written to
-``profile_<scenario>_<variant>.txt``, the step's kernels by GPU time and a cProfile table of its
-Python functions.
+``profile_<scenario>_<variant>.txt``, the step's kernels by GPU time, the host time of each call
+its Thunder traces make (te_v2 symbols, torch.compile regions), and a cProfile table of its Python
+functions.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
+import contextlib
 import cProfile
+import inspect
 import io
 import pstats
 import statistics
@@ -21,10 +25,11 @@ import time
 import warnings
 from pathlib import Path
 
+import thunder
 import torch
 
 from benchmarks import shapes
-from benchmarks.measure import make_step, step_times_ms, without_te_gpu
+from benchmarks.measure import forget_variant, make_step, step_times_ms, without_te_gpu
 from benchmarks.variants import build, reference_model, variants
 from te_v2_executor import TEv2FallbackWarning
 
@@ -48,6 +53,50 @@ def host_ms(step, *, steps: int = 10) -> float:
     return statistics.median(times)
 
 
+@contextlib.contextmanager
+def timed_trace_calls(jitted) -> collections.Counter:
+    """Seconds spent in each callable that ``jitted``'s forward and backward traces call, by name,
+    while the block runs. The generated trace functions look their callees up in their globals,
+    which are wrapped with timers meanwhile (a Python call each, against tens of microseconds a
+    callee)."""
+    spent: collections.Counter = collections.Counter()
+    patched = []
+
+    def timer(fn, name):
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[name] += time.perf_counter() - start
+
+        return timed
+
+    for entry in thunder.compile_stats(jitted).interpreter_cache:
+        for fn in (entry.computation_fn, entry.backward_fn):
+            names = inspect.unwrap(fn).__globals__ if fn is not None else {}
+            for name, value in list(names.items()):
+                if callable(value) and not name.startswith("__") and not isinstance(value, type):
+                    patched.append((names, name, value))
+                    names[name] = timer(value, name)
+    try:
+        yield spent
+    finally:
+        for names, name, value in patched:
+            names[name] = value
+
+
+def trace_call_table(jitted, step, *, steps: int = 10) -> str:
+    """Host microseconds per step in each call of the Thunder traces, largest first."""
+    with timed_trace_calls(jitted) as spent:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    lines = ["| trace call | host us per step |", "| --- | --- |"]
+    lines += [f"| {name} | {s / steps * 1e6:.0f} |" for name, s in spent.most_common()]
+    return "\n".join(lines)
+
+
 def kernel_times(step) -> list[tuple[str, int, float]]:
     """(kernel name, launches, total ms) of one step, longest first (torch.profiler)."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
@@ -65,7 +114,7 @@ def kernel_table(kernels: list[tuple[str, int, float]]) -> str:
     return "\n".join(lines)
 
 
-def python_profile(step, path: Path, kernels: list[tuple[str, int, float]]) -> None:
+def python_profile(step, path: Path, kernels: list[tuple[str, int, float]], calls: str) -> None:
     profiler = cProfile.Profile()
     profiler.enable()
     step()
@@ -75,7 +124,10 @@ def python_profile(step, path: Path, kernels: list[tuple[str, int, float]]) -> N
     stats = pstats.Stats(profiler, stream=text).strip_dirs()
     stats.sort_stats("tottime").print_stats(40)
     stats.sort_stats("cumulative").print_stats(60)
-    path.write_text(f"GPU kernels of one step\n\n{kernel_table(kernels)}\n\n{text.getvalue()}")
+    path.write_text(
+        f"GPU kernels of one step\n\n{kernel_table(kernels)}\n\n"
+        f"Host time of the Thunder traces' calls\n\n{calls}\n\n{text.getvalue()}"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -107,9 +159,10 @@ def main(argv: list[str] | None = None) -> int:
                 flush=True,
             )
             slug = variant.name.replace(" ", "_").replace(".", "").replace("+", "")
-            python_profile(step, args.out / f"profile_{scenario}_{slug}.txt", kernels)
+            calls = "" if fn is model else trace_call_table(fn, step)
+            python_profile(step, args.out / f"profile_{scenario}_{slug}.txt", kernels, calls)
             del model, fn, step
-            torch.cuda.empty_cache()
+            forget_variant()
     return 0
 
 
