@@ -23,6 +23,7 @@ import statistics
 import sys
 import time
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import thunder
@@ -54,7 +55,7 @@ def host_ms(step, *, steps: int = 10) -> float:
 
 
 @contextlib.contextmanager
-def timed_trace_calls(jitted) -> collections.Counter:
+def timed_trace_calls(jitted) -> Iterator[collections.Counter]:
     """Seconds spent in each callable that ``jitted``'s forward and backward traces call, by name,
     while the block runs. The generated trace functions look their callees up in their globals,
     which are wrapped with timers meanwhile (a Python call each, against tens of microseconds a
