@@ -77,9 +77,7 @@ def rewrite_for_consumption(trace: TraceCtx) -> TraceCtx:
                 output=(dy_q if rowwise or columnwise else None, dbias if bgrad else None),
             )
         new_bsyms.append(bsym)
-    new_trace = from_trace(trace)
-    new_trace.bound_symbols = new_bsyms
-    return new_trace
+    return with_bound_symbols(trace, new_bsyms)
 
 
 def _delayed_states(trace: TraceCtx, sym: Any, *, recomputed: bool = False) -> tuple[LinearQuantState, ...]:
@@ -140,10 +138,11 @@ def _insert_forward_sync(trace: TraceCtx, group: SyncGroup) -> TraceCtx:
     }
     new_ret = ret.from_bsym(args=({**ret.args[0], **swapped},))
     body = [redirect(b) for b in bsyms[:-1]]
-    return _with_bsyms(trace, [*body[:position], sync, *body[position:], new_ret])
+    return with_bound_symbols(trace, [*body[:position], sync, *body[position:], new_ret])
 
 
-def _with_bsyms(trace: TraceCtx, bsyms: list[BoundSymbol]) -> TraceCtx:
+def with_bound_symbols(trace: TraceCtx, bsyms: list[BoundSymbol]) -> TraceCtx:
+    """A copy of ``trace`` (its signature, names and provenance) running ``bsyms`` instead."""
     new_trace = from_trace(trace)
     new_trace.bound_symbols = bsyms
     return new_trace
@@ -166,7 +165,7 @@ def insert_syncs(trace: TraceCtx, *, grad_enabled: bool) -> TraceCtx:
     backward_states = _delayed_states(trace, QUANTIZE_GRAD_OUTPUT)
     if grads and backward_states:
         sync = BACKWARD_SYNC.bind(*grads, group=SyncGroup(backward_states, forward=False), output=None)
-        trace = _with_bsyms(trace, [*trace.bound_symbols[:-1], sync, trace.bound_symbols[-1]])
+        trace = with_bound_symbols(trace, [*trace.bound_symbols[:-1], sync, trace.bound_symbols[-1]])
     return trace
 
 
@@ -241,7 +240,9 @@ def _fold(trace: TraceCtx, fold: Any) -> TraceCtx:
             dropped.add(id(absorbed))
     if not swapped:
         return trace
-    return _with_bsyms(trace, [swapped.get(id(b), b) for b in trace.bound_symbols if id(b) not in dropped])
+    return with_bound_symbols(
+        trace, [swapped.get(id(b), b) for b in trace.bound_symbols if id(b) not in dropped]
+    )
 
 
 def _gelu_folded(bsym: BoundSymbol, producers: Any, consumers: Any) -> tuple[BoundSymbol, BoundSymbol] | None:

@@ -13,7 +13,7 @@ from typing import Any
 
 from thunder.core.compile_data import get_compile_data
 from thunder.core.proxies import variableify
-from thunder.core.trace import TraceCtx, TraceProvenance, from_trace
+from thunder.core.trace import TraceCtx, TraceProvenance
 from thunder.core.transform_common import replace_redundant_inputs
 from thunder.executors import torchex
 from thunder.extend import FusionExecutor
@@ -74,9 +74,7 @@ def _merge_duplicate_casts_and_views(trace: TraceCtx) -> TraceCtx:
         kept.append(bsym)
     if not redundant:
         return trace
-    new_trace = from_trace(trace)
-    new_trace.bound_symbols = list(replace_redundant_inputs(redundant, kept))
-    return new_trace
+    return analysis.with_bound_symbols(trace, list(replace_redundant_inputs(redundant, kept)))
 
 
 def _unfolded_gelus_as_torch_ops(trace: TraceCtx) -> TraceCtx:
@@ -88,9 +86,7 @@ def _unfolded_gelus_as_torch_ops(trace: TraceCtx) -> TraceCtx:
             bsyms.extend(gelu_as_torch_ops(bsym, trace))
         else:
             bsyms.append(bsym)
-    new_trace = from_trace(trace)
-    new_trace.bound_symbols = bsyms
-    return new_trace
+    return analysis.with_bound_symbols(trace, bsyms)
 
 
 class TEv2Executor(FusionExecutor):
