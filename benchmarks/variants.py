@@ -74,8 +74,15 @@ def ablations() -> list[Variant]:
     """Variants that switch one te_v2 optimisation off, for ``benchmarks.interleaved`` only."""
     compile_fusers = _fusers()[" + torch.compile"]
     no_gelu = make_te_v2(claim=ClaimPolicy(gelu=False))
+    thunder_adapters = make_te_v2(claim=ClaimPolicy(unquantized=False))
     return [
-        Variant("te_v2 + torch.compile, GELU not claimed", True, "torch", _te_v2(compile_fusers, no_gelu))
+        Variant("te_v2 + torch.compile, GELU not claimed", True, "torch", _te_v2(compile_fusers, no_gelu)),
+        Variant(
+            "te_v2 + torch.compile, adapters on Thunder",
+            True,
+            "torch",
+            _te_v2(compile_fusers, thunder_adapters),
+        ),
     ]
 
 

@@ -23,11 +23,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from thunder.core import prims, utils
-from thunder.core.proxies import TensorProxy
+import torch
+from thunder.core import dtypes, prims, utils
+from thunder.core.proxies import TensorProxy, variableify
 from thunder.core.pytree import tree_flatten, tree_map
 from thunder.core.symbol import BoundSymbol, BoundSymbolTag
 from thunder.core.trace import TraceCtx, from_trace, tracectx
+from thunder.core.transform_common import dce, replace_redundant_inputs
 
 from te_v2_executor.state import LinearQuantState, SyncGroup
 from te_v2_executor.symbols import (
@@ -39,6 +41,8 @@ from te_v2_executor.symbols import (
     LINEAR_FWD,
     LINEAR_WGRAD,
     QUANTIZE_GRAD_OUTPUT,
+    UNQUANTIZED_DGRAD,
+    UNQUANTIZED_FWD,
 )
 
 
@@ -174,17 +178,37 @@ def insert_syncs(trace: TraceCtx, *, grad_enabled: bool) -> TraceCtx:
 _ALLOCATING = {"add", "matmul", "linear"}
 _VIEWING = {"reshape", "shallow_copy"}
 
+# te_v2 GEMMs that can add their product into an existing buffer, and the position of that
+# buffer (``accumulate_into``) among their arguments.
+_ACCUMULATE_ARG = {LINEAR_DGRAD: 2, UNQUANTIZED_FWD: 3, UNQUANTIZED_DGRAD: 2}
+
+# (operand dtype, wider dtype) pairs whose round trip through the wider one is exact.
+_EXACT_WIDENING = {
+    (torch.bfloat16, torch.float32),
+    (torch.float16, torch.float32),
+    (torch.bfloat16, torch.float64),
+    (torch.float16, torch.float64),
+    (torch.float32, torch.float64),
+}
+
 
 def _read_only_by(p: Any, reader: BoundSymbol, consumers: Any) -> bool:
     readers = consumers.get(p, [])
     return len(readers) == 1 and readers[0] is reader
 
 
+def _allocates(producer: BoundSymbol, p: Any) -> bool:
+    """Whether ``p`` is a fresh tensor ``producer`` allocated (not a view, not a saved copy)."""
+    if producer.sym is LINEAR_FWD:
+        return p is producer.output[0]
+    return producer.sym in _ACCUMULATE_ARG or producer.sym.name in _ALLOCATING
+
+
 def _writable_in_place(p: Any, reader: BoundSymbol, producers: Any, consumers: Any) -> bool:
     """Whether ``reader`` may overwrite ``p``: every tensor on the chain of views from ``p`` back
     to the op that allocated it is read by the next link alone, and that op allocates its output."""
     while _read_only_by(p, reader, consumers) and (producer := producers.get(p, None)) is not None:
-        if producer.sym is LINEAR_DGRAD or producer.sym.name in _ALLOCATING:
+        if _allocates(producer, p):
             return True
         if producer.sym.name not in _VIEWING:
             return False
@@ -192,52 +216,135 @@ def _writable_in_place(p: Any, reader: BoundSymbol, producers: Any, consumers: A
     return False
 
 
-def _accumulating_dgrad(
-    add: BoundSymbol, producers: Any, consumers: Any
-) -> tuple[BoundSymbol, BoundSymbol] | None:
-    """(the dgrad, its replacement) when ``add`` sums a dgrad and a gradient it may overwrite."""
-    if add.sym.name != "add" or len(add.args) != 2 or add.kwargs.get("alpha", 1) != 1:
+def _dtype(p: Any) -> torch.dtype | None:
+    return dtypes.to_torch_dtype(p.dtype) if isinstance(p, TensorProxy) else None
+
+
+def _is_cast(bsym: BoundSymbol | None) -> bool:
+    """A dtype conversion: Thunder's, or the torch executor's ``Tensor.to`` that runs it."""
+    if bsym is None or bsym.sym.name not in ("convert_element_type", "to"):
+        return False
+    a, out = bsym.args[0], bsym.output
+    return (
+        isinstance(a, TensorProxy)
+        and isinstance(out, TensorProxy)
+        and (a.shape, a.device) == (out.shape, out.device)
+    )
+
+
+def _is_plain_add(bsym: BoundSymbol | None) -> bool:
+    return (
+        bsym is not None
+        and bsym.sym.name == "add"
+        and len(bsym.args) == 2
+        and bsym.kwargs.get("alpha", 1) == 1
+        and all(isinstance(a, TensorProxy) for a in bsym.args)
+    )
+
+
+def _summands(
+    bsym: BoundSymbol, producers: Any, consumers: Any
+) -> tuple[list[tuple[Any, BoundSymbol]], list[BoundSymbol]] | None:
+    """When ``bsym`` ends a sum ``a + b`` of two tensors of its output's shape and dtype: the
+    (operand, the op in the sum that reads it) pairs, and the sum's ops before ``bsym``.
+
+    The sum is an add of them, or the cast back of an add of their exact widenings (Thunder adds
+    bfloat16 tensors in float32): a GEMM that accumulates in float32 into the other operand
+    computes it with one rounding, where the widened add rounds its operands first.
+    """
+    if _is_plain_add(bsym):
+        pairs, ops = [(a, bsym) for a in bsym.args], []
+    elif _is_cast(bsym) and _is_plain_add(add := producers.get(bsym.args[0], None)):
+        casts = [producers.get(a, None) for a in add.args]
+        if not (_read_only_by(bsym.args[0], bsym, consumers) and all(map(_is_cast, casts))):
+            return None
+        if not all(_read_only_by(a, add, consumers) for a in add.args):
+            return None
+        wide = _dtype(add.output)
+        if any((_dtype(c.args[0]), wide) not in _EXACT_WIDENING for c in casts):
+            return None
+        pairs, ops = [(c.args[0], c) for c in casts], [add, *casts]
+    else:
         return None
-    out = add.output
-    for dx, other in (add.args, add.args[::-1]):
-        dgrad = producers.get(dx, None)
-        if dgrad is None or dgrad.sym is not LINEAR_DGRAD or other is dx:
+    out = bsym.output
+    if not all(a.shape == out.shape and _dtype(a) == _dtype(out) for a, _ in pairs):
+        return None
+    return pairs, ops
+
+
+def _accumulating_gemm(
+    bsym: BoundSymbol, producers: Any, consumers: Any
+) -> tuple[tuple[BoundSymbol, ...], BoundSymbol] | None:
+    """(the GEMM and the sum's other ops, the GEMM accumulating into the other summand) when
+    ``bsym`` ends a sum of a te_v2 GEMM's product and a tensor the sum may overwrite."""
+    found = _summands(bsym, producers, consumers)
+    if found is None:
+        return None
+    pairs, ops = found
+    for (product, reader), (other, other_reader) in (pairs, pairs[::-1]):
+        gemm = producers.get(product, None)
+        if gemm is None or gemm.sym not in _ACCUMULATE_ARG or other is product:
             continue
-        alike = all(
-            isinstance(t, TensorProxy) and t.shape == out.shape and t.dtype == out.dtype for t in (dx, other)
-        )
-        if (
-            alike
-            and _read_only_by(dx, add, consumers)
-            and _writable_in_place(other, add, producers, consumers)
+        at = _ACCUMULATE_ARG[gemm.sym]
+        args = list(gemm.args) + [None] * (at + 1 - len(gemm.args))
+        if args[at] is not None or (gemm.sym is UNQUANTIZED_FWD and args[2] is not None):
+            continue  # accumulating already, or a bias that would be added twice
+        if _read_only_by(product, reader, consumers) and _writable_in_place(
+            other, other_reader, producers, consumers
         ):
-            dy_q, w_saved = dgrad.args[:2]
-            return dgrad, dgrad.from_bsym(args=(dy_q, w_saved, other), output=out)
+            args[at] = other
+            return (gemm, *ops), gemm.from_bsym(args=tuple(args), output=bsym.output)
     return None
 
 
-def accumulate_dgrads(trace: TraceCtx) -> TraceCtx:
-    """Replace ``add(dgrad, g)`` by a dgrad GEMM that adds its product into g's buffer (cuBLAS
-    beta = 1, as TE's fused backward linear + add), when nothing else reads g or a view of it.
+def accumulate_sums(trace: TraceCtx) -> TraceCtx:
+    """Replace ``gemm(...) + g`` by a GEMM that adds its product into g's buffer (cuBLAS beta = 1,
+    as TE's fused backward linear + add), when nothing else reads g or a view of it: an FP8 dgrad
+    or an unquantized linear's forward or dgrad, summed with another gradient of the same input
+    or with another linear's output (a LoRA adapter's and its base's).
 
-    The sum then needs no third activation-sized buffer: for a frozen linear with a LoRA adapter,
-    the largest live buffer of the backward. Run after duplicate casts and views are merged, which
-    changes who reads what.
+    The sum then needs no third activation-sized buffer nor an elementwise kernel: for a frozen
+    linear with a LoRA adapter, the backward's largest live buffer. Run after duplicate casts and
+    views are merged, which changes who reads what.
     """
-    return _fold(trace, _accumulating_dgrad)
+    return _fold(trace, _accumulating_gemm)
+
+
+def drop_exact_round_trips(trace: TraceCtx) -> TraceCtx:
+    """Read ``a`` where the trace casts it to a wider dtype and back (the gradient of a bfloat16
+    add, whose backward Thunder writes in float32): an identity that a fusion executor would still
+    run as a copy kernel. A round trip whose result the trace returns is kept, so that no output
+    is one of the trace's own tensors by another name."""
+    if has_in_place_ops(trace):
+        return trace
+    producers = utils.producers(trace)
+    redundant: dict = {}
+    kept = []
+    for bsym in trace.bound_symbols:
+        inner = producers.get(bsym.args[0], None) if _is_cast(bsym) else None
+        if _is_cast(inner):
+            a, wide, out = inner.args[0], bsym.args[0], bsym.output
+            returned = any(o is out for o in tree_flatten(trace.output)[0])
+            if not returned and _dtype(a) == _dtype(out) and (_dtype(a), _dtype(wide)) in _EXACT_WIDENING:
+                redundant[variableify(out)] = a
+                continue
+        kept.append(bsym)
+    if not redundant:
+        return trace
+    return dce(with_bound_symbols(trace, list(replace_redundant_inputs(redundant, kept))))
 
 
 def _fold(trace: TraceCtx, fold: Any) -> TraceCtx:
     """Apply ``fold(bsym, producers, consumers)`` to every bound symbol: where it returns
-    (another bound symbol, a replacement), the replacement takes ``bsym``'s place and the other,
-    whose work the replacement now does, is removed."""
+    (other bound symbols, a replacement), the replacement takes ``bsym``'s place and the others,
+    whose work the replacement now does, are removed."""
     producers, consumers = utils.producers(trace), utils.consumers(trace)
     dropped: set[int] = set()
     swapped: dict[int, BoundSymbol] = {}
     for bsym in trace.bound_symbols:
         if (found := fold(bsym, producers, consumers)) is not None:
             absorbed, swapped[id(bsym)] = found
-            dropped.add(id(absorbed))
+            dropped.update(map(id, absorbed))
     if not swapped:
         return trace
     return with_bound_symbols(
@@ -245,7 +352,9 @@ def _fold(trace: TraceCtx, fold: Any) -> TraceCtx:
     )
 
 
-def _gelu_folded(bsym: BoundSymbol, producers: Any, consumers: Any) -> tuple[BoundSymbol, BoundSymbol] | None:
+def _gelu_folded(
+    bsym: BoundSymbol, producers: Any, consumers: Any
+) -> tuple[tuple[BoundSymbol], BoundSymbol] | None:
     """(the GELU, ``bsym`` reading the GELU's input instead) when ``bsym`` is a te_v2 forward or
     dy quantization whose tensor operand an exact GELU (or its backward) produced for it alone."""
     if bsym.sym is LINEAR_FWD:
@@ -259,7 +368,7 @@ def _gelu_folded(bsym: BoundSymbol, producers: Any, consumers: Any) -> tuple[Bou
     if gelu is None or gelu.sym is not gelu_sym or not _read_only_by(operand, bsym, consumers):
         return None
     args = (*gelu.args, *bsym.args[len(gelu.args) :])
-    return gelu, bsym.from_bsym(args=args, kwargs={**bsym.kwargs, **flag})
+    return (gelu,), bsym.from_bsym(args=args, kwargs={**bsym.kwargs, **flag})
 
 
 def has_in_place_ops(trace: TraceCtx) -> bool:

@@ -90,7 +90,7 @@ def _check_shapes(op: LinearOperands, recipe: RecipeSpec) -> str:
 
 
 def policy_rule_broken(op: LinearOperands, policy: ClaimPolicy) -> str:
-    """Why the claim policy leaves ``op`` on Thunder's default path by choice, or "" if it does not."""
+    """Why the claim policy keeps ``op`` out of FP8 by choice, or "" if it does not."""
     smallest = min(op.w_shape)
     if smallest < policy.min_features:
         return f"claim policy: min(in_features, out_features)={smallest} is below min_features={policy.min_features}, too small to gain from FP8"

@@ -17,9 +17,14 @@ DEFAULT_MIN_FEATURES = 512
 class ClaimPolicy:
     """Which linears TE could run te_v2 takes.
 
-    ``min_features``: a linear whose in- or out-features are below it stays on Thunder's default
-    path, by choice: no warning, a "claim policy" fallback in ``explain``. 0 claims every linear
-    TE can run.
+    ``min_features``: a linear whose in- or out-features are below it stays out of FP8, by choice:
+    no warning, and ``explain`` names the policy. 0 runs every linear TE can run in FP8.
+
+    ``unquantized``: te_v2 still runs the linears the policy keeps out of FP8, in their own dtype
+    (plain cuBLAS GEMMs, as Thunder's default path would), so that their unconsumed gradients
+    never run and a sum with their output folds into the GEMM: at small token counts the
+    torch.compile regions Thunder would wrap them in cost more host time than they save. False
+    leaves them to Thunder's default path.
 
     ``gelu``: te_v2 also takes exact GELUs (``F.gelu``, ``nn.GELU()``), so that one whose output
     only a te_v2 linear reads is computed inside that linear's FP8 quantization, and its backward
@@ -28,6 +33,7 @@ class ClaimPolicy:
     """
 
     min_features: int = DEFAULT_MIN_FEATURES
+    unquantized: bool = True
     gelu: bool = True
 
 

@@ -11,6 +11,7 @@ import itertools
 import warnings
 from typing import Any
 
+from thunder.core import utils
 from thunder.core.compile_data import get_compile_data
 from thunder.core.proxies import variableify
 from thunder.core.trace import TraceCtx, TraceProvenance
@@ -77,12 +78,23 @@ def _merge_duplicate_casts_and_views(trace: TraceCtx) -> TraceCtx:
     return analysis.with_bound_symbols(trace, list(replace_redundant_inputs(redundant, kept)))
 
 
-def _unfolded_gelus_as_torch_ops(trace: TraceCtx) -> TraceCtx:
+def _fusible_neighbour(bsym: Any, producers: Any, consumers: Any, fusers: list[FusionExecutor]) -> bool:
+    """Whether one of ``fusers`` could fuse an op that produces an input of ``bsym`` or reads
+    its output."""
+    neighbours = [producers[a] for a in bsym.flat_proxy_args if a in producers]
+    neighbours += consumers.get(bsym.output, [])
+    return any(f.can_fuse(n) for f in fusers for n in neighbours)
+
+
+def _unfolded_gelus_as_torch_ops(trace: TraceCtx, fusers: list[FusionExecutor]) -> TraceCtx:
     """Hand each GELU the analysis did not fold back to the fusion executors, as torch-level ops
-    they can fuse with their neighbours (PyTorch's own kernel, run on its own, cannot)."""
+    they can fuse with their neighbours (PyTorch's own kernel, run on its own, cannot). A GELU
+    between te_v2 symbols only stays PyTorch's kernel: a fusion region holding it alone would run
+    the same one kernel, at the cost of a region call."""
+    producers, consumers = utils.producers(trace), utils.consumers(trace)
     bsyms = []
     for bsym in trace.bound_symbols:
-        if bsym.sym in (GELU, GELU_BACKWARD):
+        if bsym.sym in (GELU, GELU_BACKWARD) and _fusible_neighbour(bsym, producers, consumers, fusers):
             bsyms.extend(gelu_as_torch_ops(bsym, trace))
         else:
             bsyms.append(bsym)
@@ -105,19 +117,19 @@ class TEv2Executor(FusionExecutor):
     def set_fuel(self, value: Any) -> None:
         """te_v2 makes no fusions, so there is no fuel to limit."""
 
-    def _fuser_follows(self, compile_data: Any) -> bool:
-        """Whether another fusion executor (nvFuser, torch.compile) comes after te_v2."""
+    def _later_fusers(self, compile_data: Any) -> list[FusionExecutor]:
+        """The fusion executors (nvFuser, torch.compile) listed after te_v2."""
         if compile_data is None:
-            return False
+            return []
         listed = list(compile_data.executors_list)
         later = listed[listed.index(self) + 1 :] if self in listed else []
-        return any(isinstance(ex, FusionExecutor) for ex in later)
+        return [ex for ex in later if isinstance(ex, FusionExecutor)]
 
     def fusion_pass(self, trace: TraceCtx) -> TraceCtx:
         """Analyse the joint trace: trim forwards and dy quantizations to what the backward
-        consumes, insert the state flushes, fold sums and GELUs into the te_v2 symbols, warn once
-        per fallback te_v2 could not avoid (the claim policy's choices are only reported), and
-        record the report."""
+        consumes, insert the state flushes, drop exact cast round trips, fold sums and GELUs into
+        the te_v2 symbols, warn once per fallback te_v2 could not avoid (the claim policy's choices
+        are only reported), and record the report."""
         compile_data = get_compile_data()
         fallbacks = []
         for bsym in trace.bound_symbols:
@@ -131,13 +143,14 @@ class TEv2Executor(FusionExecutor):
         new_trace = analysis.rewrite_for_consumption(trace)
         grad_enabled = compile_data.is_grad_enabled if compile_data is not None else True
         new_trace = analysis.insert_syncs(new_trace, grad_enabled=grad_enabled)
-        new_trace = analysis.accumulate_dgrads(_merge_duplicate_casts_and_views(new_trace))
-        new_trace = analysis.fuse_gelus(new_trace)
-        if self._fuser_follows(compile_data):
-            new_trace = _unfolded_gelus_as_torch_ops(new_trace)
+        new_trace = analysis.drop_exact_round_trips(_merge_duplicate_casts_and_views(new_trace))
+        new_trace = analysis.fuse_gelus(analysis.accumulate_sums(new_trace))
+        if fusers := self._later_fusers(compile_data):
+            new_trace = _unfolded_gelus_as_torch_ops(new_trace, fusers)
         new_trace.set_provenance(TraceProvenance("te_v2 backward-consumption analysis"))
         registry_for(compile_data).record(
-            explain.te_v2_signature(new_trace.bound_symbols), explain.report_from_trace(new_trace, fallbacks)
+            explain.te_v2_signature(new_trace.bound_symbols),
+            explain.report_from_trace(new_trace, fallbacks, self.config.claim),
         )
         return new_trace
 

@@ -14,13 +14,25 @@ from thunder.core import utils
 from thunder.core.proxies import TensorProxy
 from thunder.core.trace import TraceCtx
 
+from te_v2_executor import checks
 from te_v2_executor.analysis import is_recompute
+from te_v2_executor.config import ClaimPolicy
 from te_v2_executor.lowering import operands
 from te_v2_executor.state import LinearQuantState, registry_for
-from te_v2_executor.symbols import LINEAR_DGRAD, LINEAR_FWD, LINEAR_WGRAD, QUANTIZE_GRAD_OUTPUT
+from te_v2_executor.symbols import (
+    LINEAR_DGRAD,
+    LINEAR_FWD,
+    LINEAR_WGRAD,
+    QUANTIZE_GRAD_OUTPUT,
+    UNQUANTIZED_DGRAD,
+    UNQUANTIZED_FWD,
+    UNQUANTIZED_WGRAD,
+)
 
-# the symbols of one claimed linear, each carrying its ``state``
+# the symbols of one FP8 linear, each carrying its ``state``, and of one unquantized linear,
+# each carrying its ``site``
 LINEAR_SYMBOLS = (LINEAR_FWD, QUANTIZE_GRAD_OUTPUT, LINEAR_DGRAD, LINEAR_WGRAD)
+UNQUANTIZED_SYMBOLS = (UNQUANTIZED_FWD, UNQUANTIZED_DGRAD, UNQUANTIZED_WGRAD)
 
 
 @dataclass(frozen=True)
@@ -29,13 +41,14 @@ class LinearReport:
 
     name: str  # the weight, as the trace names its source parameter
     operation: str  # shapes, dtype and device
-    recipe: str  # "delayed", "current", "block", ... or "" when not claimed
+    recipe: str  # "delayed", "current", "block", ..., "unquantized", or "" when not claimed
     fallback: str = ""  # the rule that kept it on Thunder's default path, "" when te_v2 runs it
+    unquantized: str = ""  # the claim-policy rule te_v2 runs it without FP8 by, "" if in FP8
     saves_input_t: bool = False  # forward keeps the column-wise FP8 copy of x (for wgrad)
     saves_weight_t: bool = False  # forward keeps the column-wise FP8 copy of W (for dgrad)
     dgrad: bool = False
     wgrad: bool = False
-    bgrad: bool = False
+    bgrad: bool = False  # an FP8 linear's; an unquantized one's bias grad is Thunder's own sum
     recomputed: bool = False  # recomputed in the backward (activation checkpointing)
     state: LinearQuantState | None = field(default=None, repr=False, compare=False)  # its quantization state
 
@@ -75,6 +88,8 @@ class Report:
                         ),
                     )
                 )
+                if r.unquantized:
+                    notes.append(f"  {r.name}: {r.operation} runs unquantized: {r.unquantized}")
             else:
                 rows.append((r.name, "fallback", *("n/a",) * 6))
                 notes.append(f"  {r.name}: {r.operation} runs on Thunder's default path: {r.fallback}")
@@ -97,9 +112,21 @@ def source_name(trace: TraceCtx, p: TensorProxy) -> str:
     return p.name.removeprefix("t_")
 
 
-def _claimed_linears(trace: TraceCtx) -> dict[int, dict[str, Any]]:
-    sites: dict[int, dict[str, Any]] = {}
+def _site_key(bsym: Any) -> Any:
+    """What ties the symbols of one claimed linear together: its state, or its site's name."""
+    return id(bsym.kwargs["state"]) if bsym.sym in LINEAR_SYMBOLS else bsym.kwargs["site"]
+
+
+def _claimed_linears(trace: TraceCtx) -> dict[Any, dict[str, Any]]:
+    sites: dict[Any, dict[str, Any]] = {}
     for bsym in trace.bound_symbols:
+        if bsym.sym in UNQUANTIZED_SYMBOLS:
+            site = sites.setdefault(_site_key(bsym), {})
+            if bsym.sym is UNQUANTIZED_FWD:
+                site.update(x=bsym.args[0], w=bsym.args[1])
+            else:
+                site["dgrad" if bsym.sym is UNQUANTIZED_DGRAD else "wgrad"] = True
+            continue
         if bsym.sym not in LINEAR_SYMBOLS:
             continue
         state = bsym.kwargs["state"]
@@ -122,16 +149,20 @@ def _claimed_linears(trace: TraceCtx) -> dict[int, dict[str, Any]]:
     return sites
 
 
-def report_from_trace(trace: TraceCtx, fallbacks: list[tuple[Any, str]]) -> Report:
-    """The report of an analysed trace; ``fallbacks`` are (linear bound symbol, rule) pairs."""
+def report_from_trace(trace: TraceCtx, fallbacks: list[tuple[Any, str]], policy: ClaimPolicy) -> Report:
+    """The report of an analysed trace; ``fallbacks`` are (linear bound symbol, rule) pairs, and
+    ``policy`` the claim policy that kept the unquantized linears out of FP8."""
     rows = []
     for site in _claimed_linears(trace).values():
         x, w = site.pop("x"), site.pop("w")
+        op = operands(x, w, None)
+        state = site.get("state")
         rows.append(
             LinearReport(
                 name=source_name(trace, w),
-                operation=operands(x, w, None).describe(),
-                recipe=site["state"].recipe.scaling.value,
+                operation=op.describe(),
+                recipe="unquantized" if state is None else state.recipe.scaling.value,
+                unquantized="" if state is not None else checks.policy_rule_broken(op, policy),
                 **site,
             )
         )
@@ -150,15 +181,15 @@ def report_from_trace(trace: TraceCtx, fallbacks: list[tuple[Any, str]]) -> Repo
 def te_v2_signature(bound_symbols: list[Any]) -> frozenset:
     """What te_v2 runs in a trace, the same for the joint trace the analysis returns and for the
     forward and backward traces Thunder splits it into: each te_v2 GEMM-side symbol, by linear
-    state and flags."""
+    and flags."""
     return frozenset(
         (
-            id(b.kwargs["state"]),
+            _site_key(b),
             b.sym.name,
             tuple(sorted((k, v) for k, v in b.kwargs.items() if isinstance(v, bool))),
         )
         for b in bound_symbols
-        if b.sym in LINEAR_SYMBOLS
+        if b.sym in LINEAR_SYMBOLS or b.sym in UNQUANTIZED_SYMBOLS
     )
 
 

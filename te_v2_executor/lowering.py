@@ -4,7 +4,8 @@ quantization (``analysis.fuse_gelus``).
 
 The grad transform emits the full backward (dy quantized once, dgrad, wgrad, bias grad) and a
 forward that saves every FP8 copy; Thunder's dead-code elimination then drops the gradients
-nobody consumes, and the analysis (``analysis.py``) trims the forward to what survives.
+nobody consumes, and the analysis (``analysis.py``) trims the forward to what survives. A linear
+the claim policy keeps out of FP8 gets the same three symbols, unquantized (``unquantized.py``).
 """
 
 from __future__ import annotations
@@ -32,6 +33,9 @@ from te_v2_executor.symbols import (
     LINEAR_FWD,
     LINEAR_WGRAD,
     QUANTIZE_GRAD_OUTPUT,
+    UNQUANTIZED_DGRAD,
+    UNQUANTIZED_FWD,
+    UNQUANTIZED_WGRAD,
 )
 
 # Thunder reaches a linear as ltorch.linear (nn.Linear, F.linear) or prims.linear (after
@@ -59,6 +63,23 @@ def operands(x: TensorProxy, w: TensorProxy, bias: TensorProxy | None) -> checks
     )
 
 
+def _site(x: TensorProxy, w: TensorProxy) -> str:
+    """The call-site name the symbols of one unquantized linear share."""
+    return f"{w.name}({x.name})"
+
+
+def _unquantized_grad_transform(x: TensorProxy, w: TensorProxy, bias: TensorProxy | None) -> TensorProxy:
+    """A linear the claim policy keeps out of FP8: its forward and every gradient, unquantized."""
+    site = _site(x, w)
+    y = UNQUANTIZED_FWD(x, w, bias, site=site)
+    dy = get_grad(y)
+    put_grad(x, UNQUANTIZED_DGRAD(dy, w, site=site, input_shape=tuple(x.shape)))
+    put_grad(w, UNQUANTIZED_WGRAD(dy, x, site=site))
+    if bias is not None:
+        put_grad(bias, ltorch.sum(dy, tuple(range(dy.ndim - 1))))
+    return y
+
+
 class RecipeGuard:
     """Tells, in a compiled function's prologue, whether ``te.autocast``'s recipe is still the
     one its trace was made with; a mismatch makes Thunder retrace instead of reusing it."""
@@ -78,8 +99,8 @@ class LinearLowering:
     def rule_broken(
         self, x: TensorProxy, w: TensorProxy, bias: TensorProxy | None = None
     ) -> tuple[str, bool]:
-        """The rule that keeps this linear off te_v2 ("" when te_v2 runs it), and whether it is
-        the claim policy's choice rather than something te_v2 cannot run."""
+        """The rule that keeps this linear out of FP8 ("" when te_v2 runs it in FP8), and whether
+        it is the claim policy's choice rather than something te_v2 cannot run."""
         op = operands(x, w, bias)
         rule = checks.capability_rule_broken(op, active_recipe(self.config.recipe), self.config.backend)
         if rule:
@@ -87,9 +108,13 @@ class LinearLowering:
         rule = checks.policy_rule_broken(op, self.config.claim)
         return rule, bool(rule)
 
+    def _unquantized(self, x: TensorProxy, w: TensorProxy, bias: TensorProxy | None) -> bool:
+        """Whether the claim policy, not a capability rule, keeps this claimed linear out of FP8."""
+        return self.rule_broken(x, w, bias)[1]
+
     def checker(self, x: TensorProxy, w: TensorProxy, bias: TensorProxy | None = None) -> bool:
-        rule, _ = self.rule_broken(x, w, bias)
-        return not rule
+        rule, by_policy = self.rule_broken(x, w, bias)
+        return not rule or (by_policy and self.config.claim.unquantized)
 
     def _state(self, x: TensorProxy, w: TensorProxy) -> LinearQuantState:
         registry = registry_for(get_compile_data())
@@ -101,6 +126,8 @@ class LinearLowering:
         self, x: TensorProxy, w: TensorProxy, bias: TensorProxy | None = None
     ) -> TensorProxy:
         """Inference: the forward GEMM alone, no FP8 copies kept."""
+        if self._unquantized(x, w, bias):
+            return UNQUANTIZED_FWD(x, w, bias, site=_site(x, w))
         y, *_ = LINEAR_FWD(
             x, w, bias, state=self._state(x, w), compute_output=True, save_input=False, save_weight=False
         )
@@ -108,6 +135,8 @@ class LinearLowering:
 
     def grad_transform(self, x: TensorProxy, w: TensorProxy, bias: TensorProxy | None = None) -> TensorProxy:
         """Training: forward, then every gradient; unconsumed ones are removed downstream."""
+        if self._unquantized(x, w, bias):
+            return _unquantized_grad_transform(x, w, bias)
         state = self._state(x, w)
         y, x_saved, w_saved, _ = LINEAR_FWD(
             x, w, bias, state=state, compute_output=True, save_input=True, save_weight=True

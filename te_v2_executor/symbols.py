@@ -14,10 +14,11 @@ from __future__ import annotations
 import math
 
 import torch
-from thunder.core import dtypes, prims
+from thunder.core import dtypes, prims, utils
 from thunder.core.proxies import AnyProxy, TensorProxy
 from thunder.extend import OperatorExecutor
 
+from te_v2_executor import unquantized
 from te_v2_executor.state import LinearQuantState, SyncGroup
 
 ops = OperatorExecutor("te_v2_ops")
@@ -127,6 +128,54 @@ def _linear_wgrad_impl(dy_q, x_saved, *, state, dtype):
 
 
 LINEAR_WGRAD = ops.register_operator("te_v2_linear_wgrad", meta=_linear_wgrad_meta, fn=_linear_wgrad_impl)
+
+
+# ---- linears the claim policy keeps out of FP8, run unquantized (``unquantized.py``) ----------
+# ``site`` names the call site, as ``state`` does for an FP8 linear: it ties the three symbols
+# of one linear together for ``explain``. ``accumulate_into`` as for ``te_v2_linear_dgrad``
+# (``analysis.accumulate_sums``).
+
+
+def _unquantized_fwd_meta(x, w, bias, accumulate_into=None, *, site):
+    utils.check(
+        accumulate_into is None or bias is None, lambda: "te_v2: an accumulating linear takes no bias"
+    )
+    return TensorProxy(like=x, shape=(*x.shape[:-1], w.shape[0]))
+
+
+def _unquantized_fwd_impl(x, w, bias, accumulate_into=None, *, site):
+    return unquantized.linear_fwd(x, w, bias, accumulate_into)
+
+
+UNQUANTIZED_FWD = ops.register_operator(
+    "te_v2_unquantized_fwd", meta=_unquantized_fwd_meta, fn=_unquantized_fwd_impl
+)
+
+
+def _unquantized_dgrad_meta(dy, w, accumulate_into=None, *, site, input_shape):
+    return TensorProxy(like=dy, shape=tuple(input_shape))
+
+
+def _unquantized_dgrad_impl(dy, w, accumulate_into=None, *, site, input_shape):
+    return unquantized.linear_dgrad(dy, w, accumulate_into, input_shape=input_shape)
+
+
+UNQUANTIZED_DGRAD = ops.register_operator(
+    "te_v2_unquantized_dgrad", meta=_unquantized_dgrad_meta, fn=_unquantized_dgrad_impl
+)
+
+
+def _unquantized_wgrad_meta(dy, x, *, site):
+    return TensorProxy(like=dy, shape=(dy.shape[-1], x.shape[-1]))
+
+
+def _unquantized_wgrad_impl(dy, x, *, site):
+    return unquantized.linear_wgrad(dy, x)
+
+
+UNQUANTIZED_WGRAD = ops.register_operator(
+    "te_v2_unquantized_wgrad", meta=_unquantized_wgrad_meta, fn=_unquantized_wgrad_impl
+)
 
 
 # ---- exact GELU, claimed so the analysis can fold it into the quantizations next to it --------

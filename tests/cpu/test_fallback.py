@@ -61,38 +61,48 @@ def test_unsupported_dtype_falls_back(reference_te_v2):
         _train_step(model, [reference_te_v2], torch.randn(32, 64, dtype=torch.float64))
 
 
-def test_default_claim_policy_keeps_rank_16_adapters_in_bf16_without_a_warning():
+@pytest.mark.parametrize("unquantized", [True, False], ids=["te_v2-unquantized", "thunder"])
+def test_default_claim_policy_keeps_rank_16_adapters_out_of_fp8_without_a_warning(unquantized):
+    """The adapters run unquantized as te_v2 symbols, or with ``unquantized=False`` on Thunder's
+    default path; either way their gradients are the eager float32 ones, to GEMM rounding."""
     dim = max(64, DEFAULT_MIN_FEATURES)
     model = LoRAStack([dim, dim], rank=16)
     eager = copy.deepcopy(model)
     x = torch.randn(32, dim)
     eager(x).sum().backward()
+    ex = make_te_v2(backend="reference", claim=ClaimPolicy(unquantized=unquantized))
     with warnings.catch_warnings():
         warnings.simplefilter("error", TEv2FallbackWarning)  # a choice, not a limitation
-        jitted = _train_step(model, [make_te_v2(backend="reference")], x)
+        jitted = _train_step(model, [ex], x)
     rows = {r.name: r for r in explain(jitted).linears}
+    adapters = ("layers_0_lora_a_weight", "layers_0_lora_b_weight")
     assert {name: r.claimed for name, r in rows.items()} == {
         "layers_0_base_weight": True,
-        "layers_0_lora_a_weight": False,
-        "layers_0_lora_b_weight": False,
+        **{name: unquantized for name in adapters},
     }
-    assert rows["layers_0_lora_a_weight"].fallback.startswith(
-        "claim policy: min(in_features, out_features)=16"
-    )
-    assert "runs on Thunder's default path: claim policy" in str(explain(jitted))
-    # the adapters' gradients are Thunder's plain float32 ones; the base is frozen
-    for name in ("layers.0.lora_a.weight", "layers.0.lora_b.weight"):
-        assert grads(model)[name] is not None
+    rule = "claim policy: min(in_features, out_features)=16"
+    for name in adapters:
+        r = rows[name]
+        assert (r.unquantized if unquantized else r.fallback).startswith(rule), name
+        assert r.recipe == ("unquantized" if unquantized else "")
+    path = "runs unquantized: claim policy" if unquantized else "runs on Thunder's default path: claim policy"
+    assert path in str(explain(jitted))
+    assert rows["layers_0_base_weight"].recipe == "delayed"
+    # the base is frozen; the adapters train, in float32 as eager does
     assert grads(model)["layers.0.base.weight"] is None
+    for name in ("layers.0.lora_a.weight", "layers.0.lora_b.weight"):
+        torch.testing.assert_close(grads(model)[name], grads(eager)[name], rtol=1e-5, atol=1e-6)
 
 
 def test_claim_policy_is_configurable():
-    ex = make_te_v2(backend="reference", claim=ClaimPolicy(min_features=128))
-    jitted = _train_step(LoRAStack([64, 64], rank=16), [ex], torch.randn(32, 64))
-    assert not any(r.claimed for r in explain(jitted).linears)
-    ex = make_te_v2(backend="reference", claim=ClaimPolicy(min_features=0))
-    jitted = _train_step(LoRAStack([64, 64], rank=16), [ex], torch.randn(32, 64))
-    assert all(r.claimed for r in explain(jitted).linears)
+    def recipes(claim: ClaimPolicy) -> list[str]:
+        ex = make_te_v2(backend="reference", claim=claim)
+        jitted = _train_step(LoRAStack([64, 64], rank=16), [ex], torch.randn(32, 64))
+        return [r.recipe for r in explain(jitted).linears]
+
+    assert recipes(ClaimPolicy(min_features=128)) == ["unquantized"] * 3
+    assert recipes(ClaimPolicy(min_features=128, unquantized=False)) == [""] * 3
+    assert recipes(ClaimPolicy(min_features=0)) == ["delayed"] * 3
 
 
 @pytest.mark.skipif(backends.te_available(), reason="TransformerEngine is installed here")

@@ -16,7 +16,14 @@ from thunder.executors.torch_compile import torch_compile_ex
 
 from te_v2_executor import ClaimPolicy, analysis, block_scaling, current_scaling, delayed_scaling, make_te_v2
 from te_v2_executor import executor as executor_module
-from te_v2_executor.symbols import GELU, GELU_BACKWARD, LINEAR_DGRAD, LINEAR_FWD
+from te_v2_executor.symbols import (
+    GELU,
+    GELU_BACKWARD,
+    LINEAR_DGRAD,
+    LINEAR_FWD,
+    UNQUANTIZED_DGRAD,
+    UNQUANTIZED_FWD,
+)
 from tests.helpers import CLAIM_ALL, backward_trace, bsyms_of, eager_emulation, sqnr_db
 from tests.models import Checkpointed, LoRAStack, SharedWeight, Stack, every_even, grads
 
@@ -124,26 +131,41 @@ def test_freezing_then_unfreezing_retraces_with_right_gradients(reference_te_v2)
         assert sqnr_db(grad, g_emu[name]) > GRAD_FLOOR, name
 
 
+def _accumulating(jitted) -> list:
+    """The GEMMs of both traces that add their product into another tensor's buffer."""
+    at = {LINEAR_DGRAD: 2, UNQUANTIZED_FWD: 3, UNQUANTIZED_DGRAD: 2}
+    bsyms = [*thunder.last_traces(jitted)[-1].bound_symbols, *backward_trace(jitted).bound_symbols]
+    return [b.sym for b in bsyms if b.sym in at and b.args[at[b.sym]] is not None]
+
+
+@pytest.mark.parametrize("unquantized", [True, False], ids=["unquantized-adapters", "thunder-adapters"])
 @pytest.mark.parametrize("fusers", [[], [torch_compile_ex]], ids=["thunder", "torch.compile"])
-def test_accumulating_a_dgrad_changes_no_gradient(fusers, monkeypatch):
-    """A base dgrad added in place into its adapter's gradient gives, in float32, bitwise the
-    gradients of the separate sum."""
+def test_folding_sums_into_gemms_changes_no_output_or_gradient(fusers, unquantized, monkeypatch):
+    """Sums folded into a GEMM that adds its product into the other summand give, in float32,
+    the outputs and gradients of the separate sums: an adapter's output added into its base's,
+    and the dgrads of a base and its adapter added into one another. With the adapters on
+    Thunder's default path, only the base dgrad can accumulate."""
     model = LoRAStack([64, 128, 64], rank=16)
     twin = copy.deepcopy(model)
     x = torch.randn(32, 64, requires_grad=True)
 
     def run(m):
-        ex = make_te_v2(backend="reference", claim=ClaimPolicy(min_features=64))  # adapters stay torch
-        jitted = thunder.jit(m, executors=[ex, *fusers])
+        claim = ClaimPolicy(min_features=64, unquantized=unquantized)  # adapters out of FP8
+        jitted = thunder.jit(m, executors=[make_te_v2(backend="reference", claim=claim), *fusers])
         xx = x.detach().clone().requires_grad_()
-        jitted(xx).sum().backward()
-        return jitted, grads(m), xx.grad
+        y = jitted(xx)
+        y.sum().backward()
+        return jitted, y, grads(m), xx.grad
 
-    jitted, g, dx = run(model)
-    assert all(d.args[2] is not None for d in bsyms_of(backward_trace(jitted), LINEAR_DGRAD))
-    monkeypatch.setattr(analysis, "accumulate_dgrads", lambda trace: trace)
-    plain, g_plain, dx_plain = run(twin)
-    assert all(d.args[2] is None for d in bsyms_of(backward_trace(plain), LINEAR_DGRAD))
+    jitted, y, g, dx = run(model)
+    if unquantized:
+        assert sorted(_accumulating(jitted), key=str) == [UNQUANTIZED_DGRAD] * 2 + [UNQUANTIZED_FWD] * 2
+    else:
+        assert _accumulating(jitted) == [LINEAR_DGRAD] * 2
+    monkeypatch.setattr(analysis, "accumulate_sums", lambda trace: trace)
+    plain, y_plain, g_plain, dx_plain = run(twin)
+    assert not _accumulating(plain)
+    torch.testing.assert_close(y, y_plain, rtol=0, atol=0)
     torch.testing.assert_close(dx, dx_plain, rtol=0, atol=0)
     assert g.keys() == g_plain.keys()
     for name, grad in g.items():
@@ -158,7 +180,7 @@ def test_folding_gelus_changes_no_gradient(fusers, dtype, monkeypatch):
     """GELUs computed inside the quantizations give bitwise the outputs and gradients of GELUs
     run on their own by PyTorch's kernels (the first GELU's output is also returned, so only its
     backward folds; unfolded GELUs are kept from torch.compile to compare like with like)."""
-    monkeypatch.setattr(executor_module, "_unfolded_gelus_as_torch_ops", lambda trace: trace)
+    monkeypatch.setattr(executor_module, "_unfolded_gelus_as_torch_ops", lambda trace, fusers: trace)
 
     class Model(torch.nn.Module):
         def __init__(self) -> None:

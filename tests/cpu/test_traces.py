@@ -8,7 +8,8 @@ import torch
 from thunder.core import prims
 from thunder.executors.torch_compile import torch_compile_ex
 
-from te_v2_executor import ClaimPolicy, current_scaling, explain, make_te_v2
+from te_v2_executor import ClaimPolicy, analysis, current_scaling, explain, make_te_v2
+from te_v2_executor.config import DEFAULT_MIN_FEATURES
 from te_v2_executor.symbols import (
     BACKWARD_SYNC,
     FORWARD_SYNC,
@@ -18,12 +19,17 @@ from te_v2_executor.symbols import (
     LINEAR_FWD,
     LINEAR_WGRAD,
     QUANTIZE_GRAD_OUTPUT,
+    UNQUANTIZED_DGRAD,
+    UNQUANTIZED_FWD,
+    UNQUANTIZED_WGRAD,
 )
 from tests.helpers import CLAIM_ALL, backward_trace, bsyms_of, forward_trace
 from tests.models import Checkpointed, LoRALinear, LoRAStack, Stack, TwoOutputs, every_even
 
 DIM = 64
 TOKENS = 32
+# the policy's adapters on Thunder's default path, as before te_v2 ran them unquantized
+THUNDER_ADAPTERS = ClaimPolicy(min_features=DIM, unquantized=False)
 
 
 def _step(model, executors, x):
@@ -199,10 +205,15 @@ def test_explain_follows_a_cache_hit_back_to_an_older_trace(reference_te_v2):
     assert (thunder.cache_misses(jitted), thunder.cache_hits(jitted)) == (2, 1)
 
 
-def test_a_gradient_converted_once_is_not_converted_twice():
+@pytest.mark.parametrize("round_trips", ["dropped", "kept"])
+def test_a_gradient_converted_once_is_not_converted_twice(round_trips, monkeypatch):
     """A bf16 add's backward converts its fp32 gradient to bf16 once per input; te_v2 merges the
-    copies, so torch.compile does not write the activation gradient twice (LoRA peak memory)."""
-    ex = make_te_v2(backend="reference", claim=ClaimPolicy(min_features=DIM))  # adapters stay torch
+    copies, so torch.compile does not write the activation gradient twice (LoRA peak memory).
+    Here the fp32 gradient is itself the bf16 cotangent's exact widening, and the round trip is
+    dropped: no conversion is left. Kept, the merge alone leaves one."""
+    if round_trips == "kept":
+        monkeypatch.setattr(analysis, "drop_exact_round_trips", lambda trace: trace)
+    ex = make_te_v2(backend="reference", claim=THUNDER_ADAPTERS)
     model = LoRAStack([DIM, 2 * DIM, DIM], rank=4).to(torch.bfloat16)
     jitted = _step(model, [ex, torch_compile_ex], torch.randn(TOKENS, DIM, dtype=torch.bfloat16))
     converts = [
@@ -212,13 +223,16 @@ def test_a_gradient_converted_once_is_not_converted_twice():
         for s in fusion.subsymbols
         if s.sym.id == prims.PrimIDs.CONVERT_ELEMENT_TYPE
     ]
-    assert converts, "the backward has no fused dtype conversions to check"
-    assert len(converts) == len(set(converts))
+    if round_trips == "dropped":
+        assert not converts
+    else:
+        assert converts, "the backward has no fused dtype conversions to check"
+        assert len(converts) == len(set(converts))
 
 
 @pytest.mark.parametrize("fusers", [[], [torch_compile_ex]], ids=["thunder", "torch.compile"])
 def test_a_base_dgrad_accumulates_into_its_adapters_gradient(fusers):
-    ex = make_te_v2(backend="reference", claim=ClaimPolicy(min_features=DIM))  # adapters stay torch
+    ex = make_te_v2(backend="reference", claim=THUNDER_ADAPTERS)
     model = LoRAStack([DIM, 2 * DIM, DIM], rank=16).to(torch.bfloat16)
     jitted = _step(model, [ex, *fusers], torch.randn(TOKENS, DIM, dtype=torch.bfloat16))
     bwd = backward_trace(jitted)
@@ -231,6 +245,73 @@ def test_a_base_dgrad_accumulates_into_its_adapters_gradient(fusers):
         if s.sym.name == "add"
     ]
     assert all(dgrad.output.name not in {a.name for a in s.flat_proxy_args} for s in adds)
+
+
+def _non_te_v2_ops(trace) -> list[str]:
+    """What in ``trace`` is neither a te_v2 symbol nor bookkeeping (unpacks, deletions, return)."""
+    bookkeeping = {"unpack_trivial", "unpack_sequence", "python_del", "python_return"}
+    bookkeeping |= {"clear_mutable_collection", "unpack_tuple"}
+    return [
+        b.sym.name
+        for b in trace.bound_symbols
+        if not b.sym.name.startswith("te_v2_") and b.sym.name not in bookkeeping
+    ]
+
+
+@pytest.mark.parametrize("fusers", [[], [torch_compile_ex]], ids=["thunder", "torch.compile"])
+def test_lora_adapters_run_unquantized_in_te_v2_with_their_sums_folded(fusers):
+    """The default policy's adapters, on a bf16 LoRA MLP: te_v2 runs them unquantized, adds each
+    adapter's output into its base's, and adds the dgrads of a base and its adapter into one
+    another; the backward's cast round trip (a bf16 add's gradient, through float32) is gone. So
+    nothing is left for torch.compile: no region, nothing but te_v2 symbols (the GELU included:
+    a region holding it alone would run the same kernel)."""
+    dim = DEFAULT_MIN_FEATURES
+    model = torch.nn.Sequential(
+        LoRALinear(dim, 2 * dim, 16), torch.nn.GELU(), LoRALinear(2 * dim, dim, 16)
+    ).to(torch.bfloat16)
+    jitted = _step(
+        model, [make_te_v2(backend="reference"), *fusers], torch.randn(TOKENS, dim, dtype=torch.bfloat16)
+    )
+    fwd, bwd = forward_trace(jitted), backward_trace(jitted)
+    assert not _non_te_v2_ops(fwd) and not _non_te_v2_ops(bwd)
+    assert len(bsyms_of(fwd, GELU)) == 1 and len(bsyms_of(bwd, GELU_BACKWARD)) == 1
+
+    base_outputs = {b.output[0].name for b in bsyms_of(fwd, LINEAR_FWD)}
+    adapters = {b.kwargs["site"].split("(")[0]: b for b in bsyms_of(fwd, UNQUANTIZED_FWD)}
+    for i in range(2):
+        a, b = adapters[f"t_{i * 2}_lora_a_weight"], adapters[f"t_{i * 2}_lora_b_weight"]
+        assert a.args[3] is None and b.args[3].name in base_outputs, f"adapter {i}"
+    # x needs no grad: the first adapter's A has no dgrad, and the first base none at all
+    dgrads = {b.kwargs["site"].split("(")[0]: b for b in bsyms_of(bwd, UNQUANTIZED_DGRAD)}
+    assert set(dgrads) == {"t_0_lora_b_weight", "t_2_lora_a_weight", "t_2_lora_b_weight"}
+    (base_dgrad,) = bsyms_of(bwd, LINEAR_DGRAD)
+    assert dgrads["t_2_lora_a_weight"].args[2] is base_dgrad.output
+    assert len(bsyms_of(bwd, UNQUANTIZED_WGRAD)) == 4 and not bsyms_of(bwd, LINEAR_WGRAD)
+
+
+def test_a_summand_read_elsewhere_is_not_overwritten(reference_te_v2):
+    """The base's output is also returned: the adapter's output may not be added into it."""
+
+    class AlsoReturnsBase(LoRALinear):
+        def forward(self, x):
+            y = self.base(x)
+            return y + self.lora_b(self.lora_a(x)), y
+
+    ex = make_te_v2(backend="reference", claim=ClaimPolicy(min_features=DIM))
+    jitted = thunder.jit(AlsoReturnsBase(DIM, DIM, 16), executors=[ex])
+    out, base = jitted(torch.randn(TOKENS, DIM))
+    assert all(b.args[3] is None for b in bsyms_of(forward_trace(jitted), UNQUANTIZED_FWD))
+    assert not torch.equal(out, base)
+
+
+def test_a_round_trip_the_trace_returns_is_kept(reference_te_v2):
+    """``x.float().to(x.dtype)`` returned is a new tensor, not ``x`` by another name."""
+    ex = make_te_v2(backend="reference", claim=ClaimPolicy(min_features=DIM))
+    model = LoRALinear(DIM, DIM, 16).to(torch.bfloat16)
+    jitted = thunder.jit(lambda x: (model(x), x.float().to(torch.bfloat16)), executors=[ex])
+    x = torch.randn(TOKENS, DIM, dtype=torch.bfloat16)
+    _, same = jitted(x)
+    assert torch.equal(same, x) and same.data_ptr() != x.data_ptr()
 
 
 def test_a_dgrad_never_accumulates_into_a_cotangent(reference_te_v2):

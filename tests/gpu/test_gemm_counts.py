@@ -54,3 +54,27 @@ def test_te_v2_runs_only_the_gemms_needed(case):
     assert ours == needed, sorted(n for n in names)
     assert ours == eager
     assert ours < theirs
+
+
+def test_default_policy_lora_leaves_torch_compile_nothing_to_run():
+    """The default claim policy's rank-16 adapters run unquantized in te_v2, their sums folded
+    into the GEMMs: the GEMMs a step needs, and no other kernel of torch.compile's or of an add."""
+    import transformer_engine.common.recipe as te_recipe
+
+    from te_v2_executor import te_v2
+    from te_v2_executor.config import DEFAULT_MIN_FEATURES
+
+    build, needed = CASES["lora"]
+    model = build(torch_linear)
+    assert min(model.layers[0].base.weight.shape) >= DEFAULT_MIN_FEATURES
+    jitted = thunder.jit(model, executors=[te_v2, torch_compile_ex])
+    x = torch.randn(TOKENS, DIM, device="cuda", dtype=DTYPE)
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        model.zero_grad(set_to_none=True)  # no add from accumulating into .grad
+        return jitted(x)
+
+    gemms, names = gemm_kernels_per_step(step, x, te_recipe.DelayedScaling())
+    print(f"\n[lora, default policy] GEMM kernels per step {gemms}, all kernels {len(names)}")
+    assert gemms == needed, sorted(names)
+    assert not [n for n in names if "triton" in n.lower() or "add" in n.lower()], sorted(names)

@@ -159,8 +159,9 @@ def test_freezing_then_unfreezing_keeps_state_like_te_linear():
 
 
 def test_default_te_v2_keeps_lora_adapters_in_bf16_like_te_eager_with_torch_adapters():
-    """The default claim policy: base linears in FP8, rank-16 adapters on Thunder's BF16 path, no
-    warning; numerically that is te.Linear bases with plain nn.Linear adapters, as PEFT builds."""
+    """The default claim policy: base linears in FP8, rank-16 adapters unquantized in BF16, no
+    warning; numerically that is te.Linear bases with plain nn.Linear adapters, as PEFT builds
+    (te_v2 adds each adapter's output into its base's inside the adapter's GEMM)."""
     import warnings
 
     import thunder
@@ -181,9 +182,11 @@ def test_default_te_v2_keeps_lora_adapters_in_bf16_like_te_eager_with_torch_adap
         warnings.simplefilter("error", TEv2FallbackWarning)
         ys, g, dx = _steps(jitted, model, x, recipe)
     ys_te, g_te, dx_te = _steps(te_model, te_model, x, recipe)
-    claimed = {r.name: r.claimed for r in explain(jitted).linears}
-    assert claimed == {
-        f"layers_{i}_{p}_weight": p == "base" for i in range(2) for p in ("base", "lora_a", "lora_b")
+    recipes = {r.name: r.recipe for r in explain(jitted).linears}
+    assert recipes == {
+        f"layers_{i}_{p}_weight": "delayed" if p == "base" else "unquantized"
+        for i in range(2)
+        for p in ("base", "lora_a", "lora_b")
     }
     for y, y_te in zip(ys, ys_te, strict=True):
         torch.testing.assert_close(y, y_te, **FP8_TOLS)

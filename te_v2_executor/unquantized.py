@@ -1,0 +1,53 @@
+"""The GEMMs of the linears te_v2 runs without FP8: those its claim policy keeps out of it.
+
+Plain torch (cuBLAS on a GPU, any device otherwise), the same products Thunder's default path
+computes, in the operands' own dtype. Run as te_v2 symbols rather than left to Thunder, they get
+what te_v2's FP8 linears get: dgrad and wgrad apart, so that an unconsumed one never runs, and a
+sum with another tensor folded into the GEMM (``accumulate_into``, cuBLAS beta = 1) instead of an
+elementwise kernel, which a fusion executor would otherwise wrap, with the GEMMs around it, in a
+region of its own (at small token counts a torch.compile region costs more host time than its
+kernels take on the GPU: docs/performance.md).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _product(a: torch.Tensor, b: torch.Tensor, accumulate_into: torch.Tensor | None) -> torch.Tensor:
+    """``a @ b``, or with ``accumulate_into`` that tensor plus ``a @ b``, computed in its buffer
+    (a non-contiguous one is reshaped into a copy first, which is what is returned)."""
+    if accumulate_into is None:
+        return torch.mm(a, b)
+    out = accumulate_into.reshape(a.shape[0], b.shape[1])
+    return out.addmm_(a, b)
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1, t.shape[-1])
+
+
+def linear_fwd(
+    x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, accumulate_into: torch.Tensor | None = None
+) -> torch.Tensor:
+    """y = x W^T + b; with ``accumulate_into`` (the symbol's meta admits it without a bias
+    only), y = accumulate_into + x W^T."""
+    if accumulate_into is None:
+        return torch.nn.functional.linear(x, w, bias)
+    return _product(_flat(x), w.t(), accumulate_into).view(*x.shape[:-1], w.shape[0])
+
+
+def linear_dgrad(
+    dy: torch.Tensor,
+    w: torch.Tensor,
+    accumulate_into: torch.Tensor | None = None,
+    *,
+    input_shape: tuple[int, ...],
+) -> torch.Tensor:
+    """dx = dy W, added into ``accumulate_into`` when given."""
+    return _product(_flat(dy), w, accumulate_into).view(input_shape)
+
+
+def linear_wgrad(dy: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """dW = dy^T x."""
+    return torch.mm(_flat(dy).t(), _flat(x))
