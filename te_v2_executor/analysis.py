@@ -43,6 +43,7 @@ from te_v2_executor.symbols import (
     QUANTIZE_GRAD_OUTPUT,
     UNQUANTIZED_DGRAD,
     UNQUANTIZED_FWD,
+    UNQUANTIZED_WGRAD,
 )
 
 
@@ -181,6 +182,8 @@ _VIEWING = {"reshape", "shallow_copy"}
 # te_v2 GEMMs that can add their product into an existing buffer, and the position of that
 # buffer (``accumulate_into``) among their arguments.
 _ACCUMULATE_ARG = {LINEAR_DGRAD: 2, UNQUANTIZED_FWD: 3, UNQUANTIZED_DGRAD: 2}
+# te_v2 GEMMs that can scale their product by a constant (``scale``).
+_SCALABLE = (UNQUANTIZED_FWD, UNQUANTIZED_DGRAD, UNQUANTIZED_WGRAD)
 
 # (operand dtype, wider dtype) pairs whose round trip through the wider one is exact.
 _EXACT_WIDENING = {
@@ -295,6 +298,107 @@ def _accumulating_gemm(
             args[at] = other
             return (gemm, *ops), gemm.from_bsym(args=tuple(args), output=bsym.output)
     return None
+
+
+def _is_constant_mul(bsym: BoundSymbol | None) -> bool:
+    return (
+        bsym is not None
+        and bsym.sym.name == "mul"
+        and len(bsym.args) == 2
+        and sum(isinstance(a, TensorProxy) for a in bsym.args) == 1
+        and any(isinstance(a, (int, float)) and not isinstance(a, bool) for a in bsym.args)
+    )
+
+
+def _scaling(
+    bsym: BoundSymbol, producers: Any, consumers: Any
+) -> tuple[Any, float, list[BoundSymbol]] | None:
+    """When ``bsym`` ends ``t * s`` of a tensor t of its output's dtype and a constant s: t, s and
+    the chain's ops before ``bsym``. The multiply is in t's dtype, or (Thunder's way for bfloat16)
+    in float32 between t's exact widening and the cast back."""
+    chain: list[BoundSymbol] = []
+    mul = bsym
+    if _is_cast(bsym):
+        mul = producers.get(bsym.args[0], None)
+        if not (_is_constant_mul(mul) and _read_only_by(bsym.args[0], bsym, consumers)):
+            return None
+        chain.append(mul)
+    elif not _is_constant_mul(bsym):
+        return None
+    (t,) = (a for a in mul.args if isinstance(a, TensorProxy))
+    (s,) = (a for a in mul.args if not isinstance(a, TensorProxy))
+    if chain:
+        cast = producers.get(t, None)
+        if not (_is_cast(cast) and _read_only_by(t, mul, consumers)):
+            return None
+        if (_dtype(cast.args[0]), _dtype(t)) not in _EXACT_WIDENING:
+            return None
+        chain.append(cast)
+        t = cast.args[0]
+    if _dtype(t) != _dtype(bsym.output) or t.shape != bsym.output.shape:
+        return None
+    return t, float(s), chain
+
+
+def _scale_in_producer(
+    bsym: BoundSymbol, producers: Any, consumers: Any
+) -> tuple[tuple[BoundSymbol, ...], BoundSymbol] | None:
+    """(the unquantized GEMM and the scaling's other ops, the GEMM scaling its own product) when
+    ``bsym`` ends the scaling of such a GEMM's product that nothing else reads."""
+    found = _scaling(bsym, producers, consumers)
+    if found is None:
+        return None
+    t, s, chain = found
+    gemm = producers.get(t, None)
+    if gemm is None or gemm.sym not in _SCALABLE or gemm.kwargs.get("scale", 1.0) != 1.0:
+        return None
+    at = _ACCUMULATE_ARG.get(gemm.sym)
+    if at is not None and (len(gemm.args) > at and gemm.args[at] is not None):
+        return None  # the sum would be scaled too
+    if gemm.sym is UNQUANTIZED_FWD and gemm.args[2] is not None:
+        return None  # so would the bias
+    if not _read_only_by(t, chain[-1] if chain else bsym, consumers):
+        return None
+    return (gemm, *chain), gemm.from_bsym(kwargs={**gemm.kwargs, "scale": s}, output=bsym.output)
+
+
+def _scale_in_consumers(trace: TraceCtx) -> TraceCtx:
+    """Where every reader of ``t * s`` is an unquantized dgrad or wgrad reading it as dy, have
+    them read t and scale their products by s instead."""
+    producers, consumers = utils.producers(trace), utils.consumers(trace)
+    swapped: dict[int, BoundSymbol] = {}
+    dropped: set[int] = set()
+    for bsym in trace.bound_symbols:
+        found = _scaling(bsym, producers, consumers)
+        readers = consumers.get(bsym.output, []) if found is not None else []
+        if not readers or not all(
+            r.sym in (UNQUANTIZED_DGRAD, UNQUANTIZED_WGRAD)
+            and r.args[0] is bsym.output
+            and all(a is not bsym.output for a in r.args[1:])
+            and r.kwargs.get("scale", 1.0) == 1.0
+            for r in readers
+        ):
+            continue
+        t, s, chain = found
+        for r in readers:
+            swapped[id(r)] = r.from_bsym(args=(t, *r.args[1:]), kwargs={**r.kwargs, "scale": s})
+        dropped.update(map(id, (bsym, *chain)))
+    if not swapped:
+        return trace
+    return with_bound_symbols(
+        trace, [swapped.get(id(b), b) for b in trace.bound_symbols if id(b) not in dropped]
+    )
+
+
+def fold_scales(trace: TraceCtx) -> TraceCtx:
+    """Fold a product's scaling by a constant (a LoRA adapter's ``scaling``) into the unquantized
+    GEMMs around it, as cuBLAS's alpha: into the GEMM that produced it, when nothing else reads its
+    product, else into the dgrad and wgrad that read it (the gradient flowing into the adapter).
+    One rounding instead of two, and no elementwise kernel. Run before ``accumulate_sums``, whose
+    sums the scaled products then feed directly."""
+    if has_in_place_ops(trace):
+        return trace
+    return _scale_in_consumers(_fold(trace, _scale_in_producer))
 
 
 def accumulate_sums(trace: TraceCtx) -> TraceCtx:

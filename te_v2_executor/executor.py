@@ -127,8 +127,8 @@ class TEv2Executor(FusionExecutor):
 
     def fusion_pass(self, trace: TraceCtx) -> TraceCtx:
         """Analyse the joint trace: trim forwards and dy quantizations to what the backward
-        consumes, insert the state flushes, drop exact cast round trips, fold sums and GELUs into
-        the te_v2 symbols, warn once per fallback te_v2 could not avoid (the claim policy's choices
+        consumes, insert the state flushes, drop exact cast round trips, fold constant factors,
+        sums and GELUs into the te_v2 symbols, warn once per fallback te_v2 could not avoid (the claim policy's choices
         are only reported), and record the report."""
         compile_data = get_compile_data()
         fallbacks = []
@@ -144,7 +144,8 @@ class TEv2Executor(FusionExecutor):
         grad_enabled = compile_data.is_grad_enabled if compile_data is not None else True
         new_trace = analysis.insert_syncs(new_trace, grad_enabled=grad_enabled)
         new_trace = analysis.drop_exact_round_trips(_merge_duplicate_casts_and_views(new_trace))
-        new_trace = analysis.fuse_gelus(analysis.accumulate_sums(new_trace))
+        new_trace = analysis.accumulate_sums(analysis.fold_scales(new_trace))
+        new_trace = analysis.fuse_gelus(new_trace)
         if fusers := self._later_fusers(compile_data):
             new_trace = _unfolded_gelus_as_torch_ops(new_trace, fusers)
         new_trace.set_provenance(TraceProvenance("te_v2 backward-consumption analysis"))

@@ -133,18 +133,19 @@ LINEAR_WGRAD = ops.register_operator("te_v2_linear_wgrad", meta=_linear_wgrad_me
 # ---- linears the claim policy keeps out of FP8, run unquantized (``unquantized.py``) ----------
 # ``site`` names the call site, as ``state`` does for an FP8 linear: it ties the three symbols
 # of one linear together for ``explain``. ``accumulate_into`` as for ``te_v2_linear_dgrad``
-# (``analysis.accumulate_sums``).
+# (``analysis.accumulate_sums``); ``scale`` multiplies the product (``analysis.fold_scales``).
 
 
-def _unquantized_fwd_meta(x, w, bias, accumulate_into=None, *, site):
+def _unquantized_fwd_meta(x, w, bias, accumulate_into=None, *, site, scale=1.0):
     utils.check(
-        accumulate_into is None or bias is None, lambda: "te_v2: an accumulating linear takes no bias"
+        bias is None or (accumulate_into is None and scale == 1),
+        lambda: "te_v2: an accumulating or scaled linear takes no bias",
     )
     return TensorProxy(like=x, shape=(*x.shape[:-1], w.shape[0]))
 
 
-def _unquantized_fwd_impl(x, w, bias, accumulate_into=None, *, site):
-    return unquantized.linear_fwd(x, w, bias, accumulate_into)
+def _unquantized_fwd_impl(x, w, bias, accumulate_into=None, *, site, scale=1.0):
+    return unquantized.linear_fwd(x, w, bias, accumulate_into, scale=scale)
 
 
 UNQUANTIZED_FWD = ops.register_operator(
@@ -152,12 +153,12 @@ UNQUANTIZED_FWD = ops.register_operator(
 )
 
 
-def _unquantized_dgrad_meta(dy, w, accumulate_into=None, *, site, input_shape):
+def _unquantized_dgrad_meta(dy, w, accumulate_into=None, *, site, input_shape, scale=1.0):
     return TensorProxy(like=dy, shape=tuple(input_shape))
 
 
-def _unquantized_dgrad_impl(dy, w, accumulate_into=None, *, site, input_shape):
-    return unquantized.linear_dgrad(dy, w, accumulate_into, input_shape=input_shape)
+def _unquantized_dgrad_impl(dy, w, accumulate_into=None, *, site, input_shape, scale=1.0):
+    return unquantized.linear_dgrad(dy, w, accumulate_into, input_shape=input_shape, scale=scale)
 
 
 UNQUANTIZED_DGRAD = ops.register_operator(
@@ -165,12 +166,12 @@ UNQUANTIZED_DGRAD = ops.register_operator(
 )
 
 
-def _unquantized_wgrad_meta(dy, x, *, site):
+def _unquantized_wgrad_meta(dy, x, *, site, scale=1.0):
     return TensorProxy(like=dy, shape=(dy.shape[-1], x.shape[-1]))
 
 
-def _unquantized_wgrad_impl(dy, x, *, site):
-    return unquantized.linear_wgrad(dy, x)
+def _unquantized_wgrad_impl(dy, x, *, site, scale=1.0):
+    return unquantized.linear_wgrad(dy, x, scale=scale)
 
 
 UNQUANTIZED_WGRAD = ops.register_operator(

@@ -4,8 +4,9 @@ Plain torch (cuBLAS on a GPU, any device otherwise), the same products Thunder's
 computes, in the operands' own dtype. Run as te_v2 symbols rather than left to Thunder, they get
 what te_v2's FP8 linears get: dgrad and wgrad apart, so that an unconsumed one never runs, and a
 sum with another tensor folded into the GEMM (``accumulate_into``, cuBLAS beta = 1) instead of an
-elementwise kernel, which a fusion executor would otherwise wrap, with the GEMMs around it, in a
-region of its own (at small token counts a torch.compile region costs more host time than its
+elementwise kernel, and so is a constant factor (a LoRA adapter's ``scaling``: cuBLAS's alpha); a
+fusion executor would otherwise wrap that elementwise work, with the GEMMs around it, in a region
+of its own (at small token counts a torch.compile region costs more host time than its
 kernels take on the GPU: docs/performance.md).
 """
 
@@ -14,13 +15,18 @@ from __future__ import annotations
 import torch
 
 
-def _product(a: torch.Tensor, b: torch.Tensor, accumulate_into: torch.Tensor | None) -> torch.Tensor:
-    """``a @ b``, or with ``accumulate_into`` that tensor plus ``a @ b``, computed in its buffer
-    (a non-contiguous one is reshaped into a copy first, which is what is returned)."""
-    if accumulate_into is None:
+def _product(
+    a: torch.Tensor, b: torch.Tensor, accumulate_into: torch.Tensor | None, scale: float
+) -> torch.Tensor:
+    """``scale * (a @ b)`` (cuBLAS's alpha), or with ``accumulate_into`` that tensor plus it,
+    computed in its buffer (a non-contiguous one is reshaped into a copy first, which is what is
+    returned)."""
+    if accumulate_into is not None:
+        out = accumulate_into.reshape(a.shape[0], b.shape[1])
+        return out.addmm_(a, b, alpha=scale)
+    if scale == 1:
         return torch.mm(a, b)
-    out = accumulate_into.reshape(a.shape[0], b.shape[1])
-    return out.addmm_(a, b)
+    return torch.addmm(a.new_empty(()), a, b, beta=0, alpha=scale)  # beta = 0: input unread
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
@@ -28,13 +34,18 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
 
 
 def linear_fwd(
-    x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, accumulate_into: torch.Tensor | None = None
+    x: torch.Tensor,
+    w: torch.Tensor,
+    bias: torch.Tensor | None,
+    accumulate_into: torch.Tensor | None = None,
+    *,
+    scale: float = 1.0,
 ) -> torch.Tensor:
-    """y = x W^T + b; with ``accumulate_into`` (the symbol's meta admits it without a bias
-    only), y = accumulate_into + x W^T."""
-    if accumulate_into is None:
+    """y = x W^T + b; with ``accumulate_into`` or ``scale`` (the symbol's meta admits them
+    without a bias only), y = accumulate_into + scale * x W^T."""
+    if accumulate_into is None and scale == 1:
         return torch.nn.functional.linear(x, w, bias)
-    return _product(_flat(x), w.t(), accumulate_into).view(*x.shape[:-1], w.shape[0])
+    return _product(_flat(x), w.t(), accumulate_into, scale).view(*x.shape[:-1], w.shape[0])
 
 
 def linear_dgrad(
@@ -43,11 +54,12 @@ def linear_dgrad(
     accumulate_into: torch.Tensor | None = None,
     *,
     input_shape: tuple[int, ...],
+    scale: float = 1.0,
 ) -> torch.Tensor:
-    """dx = dy W, added into ``accumulate_into`` when given."""
-    return _product(_flat(dy), w, accumulate_into).view(input_shape)
+    """dx = scale * dy W, added into ``accumulate_into`` when given."""
+    return _product(_flat(dy), w, accumulate_into, scale).view(input_shape)
 
 
-def linear_wgrad(dy: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """dW = dy^T x."""
-    return torch.mm(_flat(dy).t(), _flat(x))
+def linear_wgrad(dy: torch.Tensor, x: torch.Tensor, *, scale: float = 1.0) -> torch.Tensor:
+    """dW = scale * dy^T x."""
+    return _product(_flat(dy).t(), _flat(x), None, scale)

@@ -54,21 +54,33 @@ def every_even(i: int) -> bool:
 
 
 class LoRALinear(nn.Module):
-    """A frozen base linear plus a trainable rank-``rank`` update B(A(x))."""
+    """A frozen base linear plus a trainable rank-``rank`` update B(A(x)), multiplied by
+    ``scaling`` when it is given, as PEFT writes it."""
 
     def __init__(
-        self, in_f: int, out_f: int, rank: int, *, factory: LinearFactory = torch_linear, **kw
+        self,
+        in_f: int,
+        out_f: int,
+        rank: int,
+        *,
+        factory: LinearFactory = torch_linear,
+        scaling: float | None = None,
+        **kw,
     ) -> None:
         super().__init__()
         self.base = factory(in_f, out_f, False, **kw)
         self.lora_a = factory(in_f, rank, False, **kw)
         self.lora_b = factory(rank, out_f, False, **kw)
+        self.scaling = scaling
         self.base.requires_grad_(False)
         with torch.no_grad():
             self.lora_b.weight.normal_(0.0, 0.02)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.base(x) + self.lora_b(self.lora_a(x))
+        if self.scaling is None:
+            return self.base(x) + self.lora_b(self.lora_a(x))
+        result = self.base(x)
+        return result + self.lora_b(self.lora_a(x)) * self.scaling
 
 
 class LoRAStack(nn.Module):

@@ -25,7 +25,7 @@ from te_v2_executor.symbols import (
     UNQUANTIZED_FWD,
 )
 from tests.helpers import CLAIM_ALL, backward_trace, bsyms_of, eager_emulation, sqnr_db
-from tests.models import Checkpointed, LoRAStack, SharedWeight, Stack, every_even, grads
+from tests.models import Checkpointed, LoRALinear, LoRAStack, SharedWeight, Stack, every_even, grads
 
 RECIPES = {
     "delayed": delayed_scaling(amax_history_len=16),
@@ -172,6 +172,40 @@ def test_folding_sums_into_gemms_changes_no_output_or_gradient(fusers, unquantiz
         assert (grad is None) == (g_plain[name] is None), name
         if grad is not None:
             torch.testing.assert_close(grad, g_plain[name], rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "scaling"), [(torch.float32, 2.0), (torch.bfloat16, 0.3)], ids=["float32", "bfloat16"]
+)
+def test_unquantized_adapters_with_peft_scaling_match_thunders_path(dtype, scaling):
+    """PEFT-scaled LoRA linears run unquantized, the scaling and sums folded into their GEMMs,
+    give the outputs and gradients of the same linears on Thunder's default path: bitwise in
+    float32 with a power-of-two scaling; in bfloat16 to its rounding, which the folded GEMMs do
+    once where Thunder's elementwise ops round after each step."""
+
+    def model() -> torch.nn.Module:
+        torch.manual_seed(0)
+        layers = [
+            LoRALinear(64, 128, 16, scaling=scaling),
+            torch.nn.GELU(),
+            LoRALinear(128, 64, 16, scaling=scaling),
+        ]
+        return torch.nn.Sequential(*layers).to(dtype)
+
+    x = torch.randn(32, 64, dtype=dtype)
+    results = []
+    for unquantized in (True, False):
+        m = model()
+        claim = ClaimPolicy(min_features=256, unquantized=unquantized)  # no FP8 to amplify a last bit
+        jitted = thunder.jit(m, executors=[make_te_v2(backend="reference", claim=claim)])
+        xx = x.detach().clone().requires_grad_()
+        y = jitted(xx)
+        y.backward(torch.linspace(-1, 1, y.numel(), dtype=dtype).reshape(y.shape))
+        results.append((y, xx.grad, *grads(m).values()))
+    tols = {"rtol": 0, "atol": 0} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 1e-2}
+    for a, b in zip(*results, strict=True):
+        if a is not None or b is not None:
+            torch.testing.assert_close(a, b, **tols)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)

@@ -289,6 +289,29 @@ def test_lora_adapters_run_unquantized_in_te_v2_with_their_sums_folded(fusers):
     assert len(bsyms_of(bwd, UNQUANTIZED_WGRAD)) == 4 and not bsyms_of(bwd, LINEAR_WGRAD)
 
 
+@pytest.mark.parametrize("fusers", [[], [torch_compile_ex]], ids=["thunder", "torch.compile"])
+def test_a_peft_scaling_folds_into_the_adapter_gemms(fusers):
+    """PEFT's ``result + lora_B(lora_A(x)) * scaling``: B's forward scales its product by the
+    scaling and adds it into the base's output; B's dgrad and wgrad read the incoming gradient
+    and scale their products. Nothing but te_v2 symbols is left."""
+    model = torch.nn.Sequential(
+        LoRALinear(DIM, 2 * DIM, 16, scaling=0.5), torch.nn.GELU(), LoRALinear(2 * DIM, DIM, 16, scaling=0.5)
+    ).to(torch.bfloat16)
+    ex = make_te_v2(backend="reference", claim=ClaimPolicy(min_features=DIM))
+    jitted = _step(model, [ex, *fusers], torch.randn(TOKENS, DIM, dtype=torch.bfloat16))
+    fwd, bwd = forward_trace(jitted), backward_trace(jitted)
+    assert not _non_te_v2_ops(fwd) and not _non_te_v2_ops(bwd)
+
+    def scales(trace, sym) -> dict[str, float]:
+        return {b.kwargs["site"].split("(")[0]: b.kwargs["scale"] for b in bsyms_of(trace, sym)}
+
+    lora_b = {"t_0_lora_b_weight", "t_2_lora_b_weight"}
+    for trace, sym in ((fwd, UNQUANTIZED_FWD), (bwd, UNQUANTIZED_DGRAD), (bwd, UNQUANTIZED_WGRAD)):
+        assert {site for site, s in scales(trace, sym).items() if s != 1.0} == lora_b, sym.name
+        assert all(s in (1.0, 0.5) for s in scales(trace, sym).values())
+    assert all(b.args[3] is not None for b in bsyms_of(fwd, UNQUANTIZED_FWD) if b.kwargs["scale"] == 0.5)
+
+
 def test_a_summand_read_elsewhere_is_not_overwritten(reference_te_v2):
     """The base's output is also returned: the adapter's output may not be added into it."""
 
