@@ -57,17 +57,19 @@ def test_te_v2_runs_only_the_gemms_needed(case):
     assert ours < theirs
 
 
-def test_default_policy_lora_leaves_torch_compile_nothing_to_run():
+@pytest.mark.parametrize("scaling", [None, 0.5], ids=["plain", "peft-scaling"])
+def test_default_policy_lora_leaves_torch_compile_nothing_to_run(scaling):
     """The default claim policy's rank-16 adapters run unquantized in te_v2, their sums folded
-    into the GEMMs (cuBLAS's beta-add epilogue): the GEMMs a step needs, no add kernel, and of
-    torch.compile's kernels only the ReLU between the layers (forward and backward)."""
+    into the GEMMs (cuBLAS's beta-add epilogue), PEFT's scaling into their alpha: the GEMMs a
+    step needs, no add or multiply kernel, and of torch.compile's kernels only the ReLU between
+    the layers (forward and backward)."""
     import transformer_engine.common.recipe as te_recipe
 
     from te_v2_executor import te_v2
     from te_v2_executor.config import DEFAULT_MIN_FEATURES
 
-    build, needed = CASES["lora"]
-    model = build(torch_linear)
+    needed = CASES["lora"][1]
+    model = LoRAStack([DIM] * 3, rank=16, factory=torch_linear, scaling=scaling)
     assert min(model.layers[0].base.weight.shape) >= DEFAULT_MIN_FEATURES
     jitted = thunder.jit(model, executors=[te_v2, torch_compile_ex])
     x = torch.randn(TOKENS, DIM, device="cuda", dtype=DTYPE)
@@ -79,7 +81,10 @@ def test_default_policy_lora_leaves_torch_compile_nothing_to_run():
     gemms, names = gemm_kernels_per_step(step, x, te_recipe.DelayedScaling())
     print(f"\n[lora, default policy] GEMM kernels per step {gemms}, all kernels {len(names)}")
     assert gemms == needed, sorted(names)
-    assert not [n for n in names if "add" in n.lower() and not GEMM_KERNEL.search(n)], sorted(names)
+    elementwise = [
+        n for n in names if ("add" in n.lower() or "mul" in n.lower()) and not GEMM_KERNEL.search(n)
+    ]
+    assert not elementwise, sorted(names)
     # beta = 1: the two adapter outputs, and the dgrads summed into the second layer's input grad
     assert sum("badd" in n for n in names) == 3
     triton = [n for n in names if n.startswith("triton")]

@@ -158,10 +158,12 @@ def test_freezing_then_unfreezing_keeps_state_like_te_linear():
                 torch.testing.assert_close(grad, g_te[name], **FP8_TOLS, msg=_named(name))
 
 
-def test_default_te_v2_keeps_lora_adapters_in_bf16_like_te_eager_with_torch_adapters():
+@pytest.mark.parametrize("scaling", [None, 0.5], ids=["plain", "peft-scaling"])
+def test_default_te_v2_keeps_lora_adapters_in_bf16_like_te_eager_with_torch_adapters(scaling):
     """The default claim policy: base linears in FP8, rank-16 adapters unquantized in BF16, no
     warning; numerically that is te.Linear bases with plain nn.Linear adapters, as PEFT builds
-    (te_v2 adds each adapter's output into its base's inside the adapter's GEMM)."""
+    (te_v2 adds each adapter's output, times PEFT's scaling if any, into its base's inside the
+    adapter's GEMM)."""
     import warnings
 
     import thunder
@@ -173,8 +175,8 @@ def test_default_te_v2_keeps_lora_adapters_in_bf16_like_te_eager_with_torch_adap
         return (te_linear if min(i, o) >= DEFAULT_MIN_FEATURES else torch_linear)(i, o, bias)
 
     dim = max(DIM, DEFAULT_MIN_FEATURES)
-    model = LoRAStack([dim] * 3, rank=16, factory=torch_linear)
-    te_model = copy_weights(LoRAStack([dim] * 3, rank=16, factory=by_policy), model)
+    model = LoRAStack([dim] * 3, rank=16, factory=torch_linear, scaling=scaling)
+    te_model = copy_weights(LoRAStack([dim] * 3, rank=16, factory=by_policy, scaling=scaling), model)
     x = torch.randn(512, dim, device="cuda", dtype=DTYPE, requires_grad=True)
     recipe = _recipes()["delayed"]
     jitted = thunder.jit(model, executors=[te_v2])
