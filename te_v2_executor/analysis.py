@@ -11,8 +11,12 @@ any chain of casts, views, checkpoints or collectives. From that the pass
   compute the bias grad only when it is consumed;
 * inserts the once-per-pass flushes of delayed-scaling state: ``te_v2_forward_sync`` at the end
   of the forward and ``te_v2_backward_sync`` after every gradient is produced;
-* folds the sum of a dgrad and another gradient of the same input (a LoRA adapter's, another
-  projection's) into the dgrad GEMM, which accumulates into that gradient's buffer;
+* drops casts to a wider dtype and back (the gradient of a bfloat16 add), exact identities;
+* folds a product's scaling by a constant (a LoRA adapter's ``scaling``) into the unquantized
+  GEMMs that produce or read it, as their alpha;
+* folds the sum of a te_v2 GEMM's product and a tensor nothing else reads (a base dgrad and its
+  adapter's, an adapter's output and its base's) into the GEMM, which accumulates into that
+  tensor's buffer;
 * folds an exact GELU whose output only a te_v2 forward reads into that forward's quantization,
   and the GELU's backward into the quantization of the gradient it produces.
 

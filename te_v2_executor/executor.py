@@ -128,8 +128,8 @@ class TEv2Executor(FusionExecutor):
     def fusion_pass(self, trace: TraceCtx) -> TraceCtx:
         """Analyse the joint trace: trim forwards and dy quantizations to what the backward
         consumes, insert the state flushes, drop exact cast round trips, fold constant factors,
-        sums and GELUs into the te_v2 symbols, warn once per fallback te_v2 could not avoid (the claim policy's choices
-        are only reported), and record the report."""
+        sums and GELUs into the te_v2 symbols, warn once per fallback te_v2 could not avoid (the
+        claim policy's choices are only reported), and record the report."""
         compile_data = get_compile_data()
         fallbacks = []
         for bsym in trace.bound_symbols:

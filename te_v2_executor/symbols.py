@@ -103,7 +103,7 @@ QUANTIZE_GRAD_OUTPUT = ops.register_operator(
 
 
 # ``accumulate_into``: a gradient of the same input that nothing else reads; the GEMM adds dx into
-# its buffer and returns it (the analysis's ``accumulate_dgrads``).
+# its buffer and returns it (the analysis's ``accumulate_sums``).
 
 
 def _linear_dgrad_meta(dy_q, w_saved, accumulate_into=None, *, state, input_shape, dtype):

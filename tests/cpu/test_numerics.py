@@ -253,7 +253,7 @@ def test_gelus_handed_back_to_torch_compile_compute_pytorchs_gelu():
     """Unfolded GELUs (a residual reads the GELU's output, and adds to its input's gradient)
     fused by torch.compile give the outputs and gradients of PyTorch's GELU kernels, which te_v2
     runs without a fuser, in float32 to rounding (in bfloat16, torch.compile also skips the
-    rounding between the GELU backward and the residual's add). The linear stays in torch (claim
+    rounding between the GELU backward and the residual's add). The linear stays out of FP8 (claim
     policy), so no FP8 rounding amplifies a last-bit difference."""
 
     class Residual(torch.nn.Module):
