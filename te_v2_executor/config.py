@@ -28,7 +28,9 @@ class ClaimPolicy:
 
     ``gelu``: te_v2 also takes exact GELUs (``F.gelu``, ``nn.GELU()``), so that one whose output
     only a te_v2 linear reads is computed inside that linear's FP8 quantization, and its backward
-    inside the quantization of the gradient; an unfused one runs PyTorch's own GELU kernels.
+    inside the quantization of the gradient; an unfolded one goes back to a fusion executor listed
+    after te_v2 when that one could fuse it with a neighbour, and otherwise runs PyTorch's own
+    GELU kernels.
     False leaves every GELU to Thunder's other executors.
     """
 
