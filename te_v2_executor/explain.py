@@ -12,6 +12,7 @@ from typing import Any
 import thunder
 from thunder.core import utils
 from thunder.core.proxies import TensorProxy
+from thunder.core.symbol import BoundSymbolTag
 from thunder.core.trace import TraceCtx
 
 from te_v2_executor import checks
@@ -122,7 +123,9 @@ def _claimed_linears(trace: TraceCtx) -> dict[Any, dict[str, Any]]:
     for bsym in trace.bound_symbols:
         if bsym.sym in UNQUANTIZED_SYMBOLS:
             site = sites.setdefault(_site_key(bsym), {})
-            if bsym.sym is UNQUANTIZED_FWD:
+            if bsym.sym is UNQUANTIZED_FWD and BoundSymbolTag.BACKWARD in bsym.tags:
+                site["recomputed"] = True
+            elif bsym.sym is UNQUANTIZED_FWD:
                 site.update(x=bsym.args[0], w=bsym.args[1])
             else:
                 site["dgrad" if bsym.sym is UNQUANTIZED_DGRAD else "wgrad"] = True

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import thunder
 import torch
 from thunder.core import prims
 from thunder.executors.torch_compile import torch_compile_ex
+from torch.utils.checkpoint import checkpoint
 
 from te_v2_executor import ClaimPolicy, analysis, current_scaling, explain, make_te_v2
 from te_v2_executor.config import DEFAULT_MIN_FEATURES
@@ -24,7 +27,7 @@ from te_v2_executor.symbols import (
     UNQUANTIZED_WGRAD,
 )
 from tests.helpers import CLAIM_ALL, backward_trace, bsyms_of, forward_trace
-from tests.models import Checkpointed, LoRALinear, LoRAStack, Stack, TwoOutputs, every_even
+from tests.models import Checkpointed, LoRALinear, LoRAStack, Stack, TwoOutputs, every_even, grads
 
 DIM = 64
 TOKENS = 32
@@ -310,6 +313,41 @@ def test_a_peft_scaling_folds_into_the_adapter_gemms(fusers):
         assert {site for site, s in scales(trace, sym).items() if s != 1.0} == lora_b, sym.name
         assert all(s in (1.0, 0.5) for s in scales(trace, sym).values())
     assert all(b.args[3] is not None for b in bsyms_of(fwd, UNQUANTIZED_FWD) if b.kwargs["scale"] == 0.5)
+
+
+def test_checkpointed_unquantized_linears_recompute_with_eagers_gradients():
+    """A checkpointed PEFT-style LoRA block under the default policy: its unquantized forwards
+    are recomputed in the backward, reported so, and every gradient is eager's (float32, a
+    power-of-two scaling: bitwise)."""
+
+    class Model(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = LoRALinear(DIM, DIM, 16, scaling=0.5)
+            self.outer = LoRALinear(DIM, DIM, 16, scaling=0.5)
+
+        def forward(self, x):
+            h = checkpoint(lambda t: torch.nn.functional.gelu(self.inner(t)), x, use_reentrant=False)
+            return self.outer(h)
+
+    model = Model()
+    eager = copy.deepcopy(model)
+    x = torch.randn(TOKENS, DIM, requires_grad=True)
+    x_eager = x.detach().clone().requires_grad_()
+    jitted = _step(model, [make_te_v2(backend="reference")], x)
+    eager(x_eager).sum().backward()
+    recomputed = [b for b in bsyms_of(backward_trace(jitted), UNQUANTIZED_FWD)]
+    assert len(recomputed) == 3, "the inner base, its A and its B"
+    rows = {r.name: r for r in explain(jitted).linears}
+    assert {name for name, r in rows.items() if r.recomputed} == {
+        f"inner_{p}_weight" for p in ("base", "lora_a", "lora_b")
+    }
+    torch.testing.assert_close(x.grad, x_eager.grad, rtol=0, atol=0)
+    for name, grad in grads(model).items():
+        expected = grads(eager)[name]
+        assert (grad is None) == (expected is None), name
+        if grad is not None:
+            torch.testing.assert_close(grad, expected, rtol=0, atol=0, msg=name)
 
 
 def test_a_summand_read_elsewhere_is_not_overwritten(reference_te_v2):
