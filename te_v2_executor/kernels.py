@@ -124,14 +124,24 @@ def _keep_columnwise_only(q: Any) -> Any:
     return q
 
 
+# The GELU fold's Triton kernel saves GPU time but costs host time to launch: on an H200, timed
+# interleaved on the same compiled full-MLP step (docs/performance.md), it took 8192 x 14336
+# (117M elements) from 1.00 to 0.99x te.Linear eager and 2048 x 14336 (29M) from 1.05 to 1.10x.
+# Smaller tensors take PyTorch's GELU and TE's cast, unless a CUDA graph is being captured,
+# where the launch is paid once.
+GELU_FOLD_MIN_ELEMENTS = 1 << 26
+
+
 def _gelu_fusable(quantizer: Any, a: torch.Tensor) -> bool:
     """Per-tensor delayed scaling, whose scale is known before the values so that one pass can
-    cast, of a non-empty bfloat16 tensor (the only dtype the kernel is validated for), on a GPU
-    whose FP8 GEMMs read transposed copies (Hopper; newer ones read the row-wise data only)."""
+    cast, of a bfloat16 tensor (the only dtype the kernel is validated for) large enough to gain
+    from it, on a GPU whose FP8 GEMMs read transposed copies (Hopper; newer ones read the
+    row-wise data only)."""
     return (
         isinstance(quantizer, Float8Quantizer)
         and a.dtype == torch.bfloat16
         and a.numel() > 0
+        and (a.numel() >= GELU_FOLD_MIN_ELEMENTS or torch.cuda.is_current_stream_capturing())
         and not is_non_tn_fp8_gemm_supported()
     )
 

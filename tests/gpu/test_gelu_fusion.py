@@ -162,3 +162,23 @@ def test_a_gelu_model_step_runs_the_fused_kernel_and_no_other_gelu():
     names = kernels_per_step(jit_te_v2(model), x, DelayedScaling())
     assert sum(FUSED_KERNEL in n for n in names) == 2 * 3
     assert [n for n in names if "gelu" in n.lower() and FUSED_KERNEL not in n] == []
+
+
+@pytest.mark.real_fold_size
+@pytest.mark.parametrize(("tokens", "width", "folds"), [(512, 1024, False), (4096, 16384, True)])
+def test_only_gelus_large_enough_run_the_fused_kernel(tokens, width, folds):
+    """The size rule (``kernels.GELU_FOLD_MIN_ELEMENTS``, 2**26 elements): a smaller GELU runs
+    PyTorch's GELU kernels and TE's cast, whose launches cost the host less; 4096 x 16384 folds."""
+    from transformer_engine.common.recipe import DelayedScaling
+
+    from te_v2_executor import kernels
+
+    assert (tokens * width >= kernels.GELU_FOLD_MIN_ELEMENTS) is folds
+    model = Stack([1024, width, 1024], act=torch.nn.functional.gelu, factory=torch_linear)
+    x = torch.randn(tokens, 1024, device="cuda", dtype=DTYPE)
+    jitted = jit_te_v2(model)
+    names = kernels_per_step(jitted, x, DelayedScaling())
+    assert [b.kwargs["gelu"] for b in bsyms_of(forward_trace(jitted), LINEAR_FWD)] == [False, True]
+    assert sum(FUSED_KERNEL in n for n in names) == (2 if folds else 0)
+    pytorch_gelus = [n for n in names if "gelu" in n.lower() and FUSED_KERNEL not in n]
+    assert len(pytorch_gelus) == (0 if folds else 2), pytorch_gelus
