@@ -279,6 +279,15 @@ def _summands(
     return pairs, ops
 
 
+def _plain_product(gemm: BoundSymbol) -> bool:
+    """Whether ``gemm`` computes its product alone: it adds it into no buffer and adds no bias,
+    so that its output may take a scale, or another summand, without changing either."""
+    at = _ACCUMULATE_ARG.get(gemm.sym)
+    if at is not None and len(gemm.args) > at and gemm.args[at] is not None:
+        return False
+    return not (gemm.sym is UNQUANTIZED_FWD and gemm.args[2] is not None)
+
+
 def _accumulating_gemm(
     bsym: BoundSymbol, producers: Any, consumers: Any
 ) -> tuple[tuple[BoundSymbol, ...], BoundSymbol] | None:
@@ -292,13 +301,13 @@ def _accumulating_gemm(
         gemm = producers.get(product, None)
         if gemm is None or gemm.sym not in _ACCUMULATE_ARG or other is product:
             continue
-        at = _ACCUMULATE_ARG[gemm.sym]
-        args = list(gemm.args) + [None] * (at + 1 - len(gemm.args))
-        if args[at] is not None or (gemm.sym is UNQUANTIZED_FWD and args[2] is not None):
+        if not _plain_product(gemm):
             continue  # accumulating already, or a bias that would be added twice
         if _read_only_by(product, reader, consumers) and _writable_in_place(
             other, other_reader, producers, consumers
         ):
+            at = _ACCUMULATE_ARG[gemm.sym]
+            args = list(gemm.args) + [None] * (at + 1 - len(gemm.args))
             args[at] = other
             return (gemm, *ops), gemm.from_bsym(args=tuple(args), output=bsym.output)
     return None
@@ -356,11 +365,8 @@ def _scale_in_producer(
     gemm = producers.get(t, None)
     if gemm is None or gemm.sym not in _SCALABLE or gemm.kwargs.get("scale", 1.0) != 1.0:
         return None
-    at = _ACCUMULATE_ARG.get(gemm.sym)
-    if at is not None and (len(gemm.args) > at and gemm.args[at] is not None):
-        return None  # the sum would be scaled too
-    if gemm.sym is UNQUANTIZED_FWD and gemm.args[2] is not None:
-        return None  # so would the bias
+    if not _plain_product(gemm):
+        return None  # the sum or the bias would be scaled too
     if not _read_only_by(t, chain[-1] if chain else bsym, consumers):
         return None
     return (gemm, *chain), gemm.from_bsym(kwargs={**gemm.kwargs, "scale": s}, output=bsym.output)
@@ -426,14 +432,18 @@ def drop_exact_round_trips(trace: TraceCtx) -> TraceCtx:
     if has_in_place_ops(trace):
         return trace
     producers = utils.producers(trace)
+    returned = {id(o) for o in tree_flatten(trace.output)[0]}
     redundant: dict = {}
     kept = []
     for bsym in trace.bound_symbols:
         inner = producers.get(bsym.args[0], None) if _is_cast(bsym) else None
         if _is_cast(inner):
             a, wide, out = inner.args[0], bsym.args[0], bsym.output
-            returned = any(o is out for o in tree_flatten(trace.output)[0])
-            if not returned and _dtype(a) == _dtype(out) and (_dtype(a), _dtype(wide)) in _EXACT_WIDENING:
+            if (
+                id(out) not in returned
+                and _dtype(a) == _dtype(out)
+                and (_dtype(a), _dtype(wide)) in _EXACT_WIDENING
+            ):
                 redundant[variableify(out)] = a
                 continue
         kept.append(bsym)
