@@ -40,13 +40,21 @@ def make_step(
 ) -> Callable[[], None]:
     """One step: forward under te.autocast (DelayedScaling) if ``fp8``, backward of sum() if
     ``training``; gradients are dropped first so every variant allocates them alike.
-    ``amax_group``: te.autocast's amax reduction group (None: its default)."""
+    ``amax_group``: te.autocast's amax reduction group (None: its default).
+
+    Each step runs with a TransformerEngine global FP8 state of its own. Every ``te.Linear``
+    registers its amax history in that state for good, and each ``te.autocast`` exit updates all
+    registered histories: with one shared state, a te_v2 step timed alongside a te.Linear model
+    (``benchmarks.interleaved``) would pay that model's amax update too."""
     import transformer_engine.pytorch as te
     from transformer_engine.common.recipe import DelayedScaling
+    from transformer_engine.pytorch.quantization import FP8GlobalState, FP8GlobalStateManager
 
     recipe = DelayedScaling()
+    te_state = FP8GlobalState()
 
     def step() -> None:
+        FP8GlobalStateManager.quantization_state = te_state
         model.zero_grad(set_to_none=True)
         with contextlib.ExitStack() as stack:
             if not training:
@@ -61,10 +69,8 @@ def make_step(
 
 def forget_variant() -> None:
     """Free what a measured variant left behind, so the next one does not pay for it: unreachable
-    objects, cached GPU blocks, and TransformerEngine's global FP8 buffers. Every ``te.Linear``
-    registers its amax history there for good, and each later ``te.autocast`` exit reduces and
-    updates every registered history, a deleted model's too: under an amax reduction group that
-    is one more all-reduce per step of whichever variant runs next."""
+    objects, cached GPU blocks, and the TransformerEngine global FP8 state its last step left
+    installed (it holds that model's amax histories)."""
     from transformer_engine.pytorch.quantization import FP8GlobalStateManager
 
     gc.collect()
