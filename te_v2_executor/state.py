@@ -14,6 +14,7 @@ one trace, updated with one concatenation, at most one all-reduce and one fused 
 from __future__ import annotations
 
 import contextlib
+import functools
 import weakref
 from collections.abc import Iterable, Iterator
 from types import ModuleType
@@ -41,7 +42,7 @@ class LinearQuantState:
     def __repr__(self) -> str:
         return f"LinearQuantState({self.name}, {self.recipe.scaling.value}, {self.backend.value})"
 
-    @property
+    @functools.cached_property
     def kernels(self) -> ModuleType:
         return kernels(self.backend)
 
