@@ -239,6 +239,17 @@ def _is_cast(bsym: BoundSymbol | None) -> bool:
     )
 
 
+def _exact_widening(bsym: BoundSymbol | None) -> bool:
+    """A cast to a wider dtype that holds every value of the narrower one."""
+    return _is_cast(bsym) and (_dtype(bsym.args[0]), _dtype(bsym.output)) in _EXACT_WIDENING
+
+
+def _widened(p: Any, reader: BoundSymbol, producers: Any, consumers: Any) -> BoundSymbol | None:
+    """The exact widening that produced ``p``, when ``reader`` alone reads ``p``."""
+    cast = producers.get(p, None)
+    return cast if _exact_widening(cast) and _read_only_by(p, reader, consumers) else None
+
+
 def _is_plain_add(bsym: BoundSymbol | None) -> bool:
     return (
         bsym is not None
@@ -262,13 +273,8 @@ def _summands(
     if _is_plain_add(bsym):
         pairs, ops = [(a, bsym) for a in bsym.args], []
     elif _is_cast(bsym) and _is_plain_add(add := producers.get(bsym.args[0], None)):
-        casts = [producers.get(a, None) for a in add.args]
-        if not (_read_only_by(bsym.args[0], bsym, consumers) and all(map(_is_cast, casts))):
-            return None
-        if not all(_read_only_by(a, add, consumers) for a in add.args):
-            return None
-        wide = _dtype(add.output)
-        if any((_dtype(c.args[0]), wide) not in _EXACT_WIDENING for c in casts):
+        casts = [_widened(a, add, producers, consumers) for a in add.args]
+        if not _read_only_by(bsym.args[0], bsym, consumers) or any(c is None for c in casts):
             return None
         pairs, ops = [(c.args[0], c) for c in casts], [add, *casts]
     else:
@@ -341,10 +347,8 @@ def _scaling(
     (t,) = (a for a in mul.args if isinstance(a, TensorProxy))
     (s,) = (a for a in mul.args if not isinstance(a, TensorProxy))
     if chain:
-        cast = producers.get(t, None)
-        if not (_is_cast(cast) and _read_only_by(t, mul, consumers)):
-            return None
-        if (_dtype(cast.args[0]), _dtype(t)) not in _EXACT_WIDENING:
+        cast = _widened(t, mul, producers, consumers)
+        if cast is None:
             return None
         chain.append(cast)
         t = cast.args[0]
@@ -393,11 +397,7 @@ def _scale_in_consumers(trace: TraceCtx) -> TraceCtx:
         for r in readers:
             swapped[id(r)] = r.from_bsym(args=(t, *r.args[1:]), kwargs={**r.kwargs, "scale": s})
         dropped.update(map(id, (bsym, *chain)))
-    if not swapped:
-        return trace
-    return with_bound_symbols(
-        trace, [swapped.get(id(b), b) for b in trace.bound_symbols if id(b) not in dropped]
-    )
+    return _replaced(trace, swapped, dropped)
 
 
 def fold_scales(trace: TraceCtx) -> TraceCtx:
@@ -437,13 +437,9 @@ def drop_exact_round_trips(trace: TraceCtx) -> TraceCtx:
     kept = []
     for bsym in trace.bound_symbols:
         inner = producers.get(bsym.args[0], None) if _is_cast(bsym) else None
-        if _is_cast(inner):
-            a, wide, out = inner.args[0], bsym.args[0], bsym.output
-            if (
-                id(out) not in returned
-                and _dtype(a) == _dtype(out)
-                and (_dtype(a), _dtype(wide)) in _EXACT_WIDENING
-            ):
+        if _exact_widening(inner):
+            a, out = inner.args[0], bsym.output
+            if id(out) not in returned and _dtype(a) == _dtype(out):
                 redundant[variableify(out)] = a
                 continue
         kept.append(bsym)
@@ -463,6 +459,12 @@ def _fold(trace: TraceCtx, fold: Any) -> TraceCtx:
         if (found := fold(bsym, producers, consumers)) is not None:
             absorbed, swapped[id(bsym)] = found
             dropped.update(map(id, absorbed))
+    return _replaced(trace, swapped, dropped)
+
+
+def _replaced(trace: TraceCtx, swapped: dict[int, BoundSymbol], dropped: set[int]) -> TraceCtx:
+    """``trace`` with the bound symbols keyed (by id) in ``swapped`` replaced and those in
+    ``dropped`` removed; ``trace`` itself when nothing is swapped."""
     if not swapped:
         return trace
     return with_bound_symbols(

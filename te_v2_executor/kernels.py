@@ -30,6 +30,7 @@ from transformer_engine.pytorch.utils import is_non_tn_fp8_gemm_supported
 
 from te_v2_executor.gelu_quantize import gelu_cast_transpose
 from te_v2_executor.recipes import RecipeSpec, Scaling
+from te_v2_executor.unquantized import as_matrix
 
 _DEFAULT_SPLIT_ACCUMULATOR = {"fprop": _2X_ACC_FPROP, "dgrad": _2X_ACC_DGRAD, "wgrad": _2X_ACC_WGRAD}
 
@@ -121,11 +122,6 @@ def _quantize(quantizer: Any, tensor: torch.Tensor) -> Any:
     return quantizer.quantize_impl(tensor)
 
 
-def _flat(t: torch.Tensor) -> torch.Tensor:
-    """``t`` as the 2-D matrix the GEMMs take (a 2-D tensor as it is: a reshape is host time)."""
-    return t if t.dim() == 2 else t.reshape(-1, t.shape[-1])
-
-
 def _keep_columnwise_only(q: Any) -> Any:
     q.update_usage(rowwise_usage=False, columnwise_usage=True)
     return q
@@ -199,7 +195,7 @@ def linear_fwd(
     the GEMM's input is gelu(x), computed within the quantization where the recipe allows.
     """
     input_quantizer, weight_quantizer = scaling.quantizers
-    x2d = _flat(x)
+    x2d = as_matrix(x)
     if gelu and _gelu_fusable(input_quantizer, x2d):
         xq = _gelu_quantize(
             x2d,
@@ -243,10 +239,10 @@ def quantize_grad_output(
     """Quantize dy once for dgrad (row-wise) and wgrad (column-wise); bias grad alongside, fused
     into the quantization where TE has that kernel. With ``gelu_input`` the quantized gradient is
     that of the GELU's input, computed within the quantization where the recipe allows."""
-    dy2d = _flat(dy)
+    dy2d = as_matrix(dy)
     (quantizer,) = scaling.quantizers
     if gelu_input is not None:
-        a2d = _flat(gelu_input)
+        a2d = as_matrix(gelu_input)
         if (
             (rowwise or columnwise)
             and not bgrad
@@ -348,7 +344,7 @@ def linear_dgrad(
     With ``accumulate_into`` the GEMM adds dx into that tensor, as TE's fused backward linear +
     add does, and returns it (a non-contiguous one is reshaped into a copy, which is returned).
     """
-    out = None if accumulate_into is None else _flat(accumulate_into).contiguous()
+    out = None if accumulate_into is None else as_matrix(accumulate_into).contiguous()
     dx = _gemm(w_saved, dy_q, recipe, gemm="dgrad", dtype=dtype, out=out)
     return dx if len(input_shape) == 2 else dx.view(input_shape)
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from te_v2_executor.recipes import RecipeSpec
+from te_v2_executor.unquantized import as_matrix
 
 BLOCK = 128
 _FP32_MAX = torch.finfo(torch.float32).max
@@ -175,7 +176,7 @@ def linear_fwd(
     ``compute_output`` False (a recomputed forward whose y nobody reads) only quantizes. ``gelu``:
     the GEMM's input is gelu(x), rounded to x's dtype as PyTorch's GELU returns it.
     """
-    x2d = x.reshape(-1, x.shape[-1])
+    x2d = as_matrix(x)
     if gelu:
         x2d = torch.nn.functional.gelu(x2d)
     xq = _quantize(x2d, scaling, 0, weight=False, rowwise=compute_output, columnwise=save_input)
@@ -204,7 +205,7 @@ def quantize_grad_output(
 ) -> tuple[ReferenceQuantizedTensor | None, torch.Tensor | None]:
     """Quantize dy once for dgrad (row-wise) and wgrad (column-wise); bias grad alongside. With
     ``gelu_input``, dy is a GELU output's gradient and its input's gradient is quantized."""
-    dy2d = dy.reshape(-1, dy.shape[-1])
+    dy2d = as_matrix(dy)
     if gelu_input is not None:
         dy2d = torch.ops.aten.gelu_backward(dy2d, gelu_input.reshape(dy2d.shape))
     dbias = dy2d.float().sum(0).to(dy.dtype) if bgrad else None

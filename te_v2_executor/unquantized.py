@@ -29,8 +29,10 @@ def _product(
     return torch.addmm(a.new_empty(()), a, b, beta=0, alpha=scale)  # beta = 0: input unread
 
 
-def _flat(t: torch.Tensor) -> torch.Tensor:
-    return t.reshape(-1, t.shape[-1])
+def as_matrix(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as the 2-D matrix a GEMM takes, its leading dimensions flattened; a 2-D tensor as it
+    is (a reshape costs host time on every call). Shared by every backend's GEMMs."""
+    return t if t.dim() == 2 else t.reshape(-1, t.shape[-1])
 
 
 def linear_fwd(
@@ -45,7 +47,7 @@ def linear_fwd(
     without a bias only), y = accumulate_into + scale * x W^T."""
     if accumulate_into is None and scale == 1:
         return torch.nn.functional.linear(x, w, bias)
-    return _product(_flat(x), w.t(), accumulate_into, scale).view(*x.shape[:-1], w.shape[0])
+    return _product(as_matrix(x), w.t(), accumulate_into, scale).view(*x.shape[:-1], w.shape[0])
 
 
 def linear_dgrad(
@@ -57,9 +59,9 @@ def linear_dgrad(
     scale: float = 1.0,
 ) -> torch.Tensor:
     """dx = scale * dy W, added into ``accumulate_into`` when given."""
-    return _product(_flat(dy), w, accumulate_into, scale).view(input_shape)
+    return _product(as_matrix(dy), w, accumulate_into, scale).view(input_shape)
 
 
 def linear_wgrad(dy: torch.Tensor, x: torch.Tensor, *, scale: float = 1.0) -> torch.Tensor:
     """dW = scale * dy^T x."""
-    return _product(_flat(dy).t(), _flat(x), None, scale)
+    return _product(as_matrix(dy).t(), as_matrix(x), None, scale)
