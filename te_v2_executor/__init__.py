@@ -13,7 +13,13 @@ from te_v2_executor.cuda_graphs import TEv2CUDAGraphTransform
 from te_v2_executor.executor import TEv2Executor, TEv2FallbackWarning, make_te_v2, te_v2
 from te_v2_executor.explain import LinearReport, Report, explain
 from te_v2_executor.recipes import RecipeSpec, Scaling, block_scaling, current_scaling, delayed_scaling
-from te_v2_executor.state import LinearQuantState, quantization_update_scope
+from te_v2_executor.state import (
+    LinearQuantState,
+    StateKey,
+    load_quantization_state_dict,
+    quantization_state_dict,
+    quantization_update_scope,
+)
 
 __all__ = [
     "Backend",
@@ -23,6 +29,7 @@ __all__ = [
     "RecipeSpec",
     "Report",
     "Scaling",
+    "StateKey",
     "TEv2CUDAGraphTransform",
     "TEv2Config",
     "TEv2Executor",
@@ -31,7 +38,9 @@ __all__ = [
     "current_scaling",
     "delayed_scaling",
     "explain",
+    "load_quantization_state_dict",
     "make_te_v2",
+    "quantization_state_dict",
     "quantization_update_scope",
     "te_v2",
 ]

@@ -22,7 +22,7 @@ from thunder.extend import FusionExecutor
 from te_v2_executor import analysis, explain
 from te_v2_executor.backends import Backend
 from te_v2_executor.config import ClaimPolicy, TEv2Config
-from te_v2_executor.lowering import LINEAR_IDS, LinearLowering, gelu_as_torch_ops, operands
+from te_v2_executor.lowering import LINEAR_IDS, LinearLowering, bind_states, gelu_as_torch_ops, operands
 from te_v2_executor.recipes import RecipeSpec
 from te_v2_executor.state import registry_for
 from te_v2_executor.symbols import GELU, GELU_BACKWARD
@@ -131,6 +131,7 @@ class TEv2Executor(FusionExecutor):
         sums and GELUs into the te_v2 symbols, warn once per fallback te_v2 could not avoid (the
         claim policy's choices are only reported), and record the report."""
         compile_data = get_compile_data()
+        trace = bind_states(trace, registry_for(compile_data))
         fallbacks = []
         for bsym in trace.bound_symbols:
             if _is_unclaimed_linear(bsym):

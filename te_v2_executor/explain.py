@@ -18,7 +18,7 @@ from thunder.core.trace import TraceCtx
 from te_v2_executor import checks
 from te_v2_executor.analysis import is_recompute
 from te_v2_executor.config import ClaimPolicy
-from te_v2_executor.lowering import operands
+from te_v2_executor.lowering import operands, source_input
 from te_v2_executor.state import LinearQuantState, registry_for
 from te_v2_executor.symbols import (
     LINEAR_DGRAD,
@@ -104,13 +104,7 @@ class Report:
 
 def source_name(trace: TraceCtx, p: TensorProxy) -> str:
     """The name of the trace input ``p`` derives from through single-input ops (casts, views)."""
-    producers = utils.producers(trace)
-    while p in producers:
-        inputs = producers[p].flat_proxy_args
-        if len(inputs) != 1:
-            break
-        p = inputs[0]
-    return p.name.removeprefix("t_")
+    return source_input(utils.producers(trace), p).name.removeprefix("t_")
 
 
 def _site_key(bsym: Any) -> Any:

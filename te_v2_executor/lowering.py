@@ -1,6 +1,7 @@
-"""How te_v2 claims a linear: the checker, the execution and grad transforms, the lookaside.
-Exact GELUs are claimed too, as single symbols the analysis can fold into the linears' FP8
-quantization (``analysis.fuse_gelus``).
+"""How te_v2 claims a linear: the checker, the execution and grad transforms, the lookaside,
+and ``bind_states``, which gives each linear of a whole trace its quantization state. Exact GELUs
+are claimed too, as single symbols the analysis can fold into the linears' FP8 quantization
+(``analysis.fuse_gelus``).
 
 The grad transform emits the full backward (dy quantized once, dgrad, wgrad, bias grad) and a
 forward that saves every FP8 copy; Thunder's dead-code elimination then drops the gradients
@@ -10,21 +11,24 @@ the claim policy keeps out of FP8 gets the same three symbols, unquantized (``un
 
 from __future__ import annotations
 
+import collections
+
 import thunder.torch as ltorch
 import torch
-from thunder.core import dtypes, prims
+from thunder.core import dtypes, prims, utils
 from thunder.core.compile_data import get_compile_data
 from thunder.core.jit_ext import get_jit_ctx
 from thunder.core.prims import get_grad, put_grad
 from thunder.core.proxies import TensorProxy, variableify
-from thunder.core.symbol import BoundSymbol
+from thunder.core.symbol import BoundSymbol, BoundSymbolTag
 from thunder.core.trace import TraceCtx, from_trace, tracectx
+from thunder.executors import torchex
 from thunder.extend import Executor
 
-from te_v2_executor import backends, checks
+from te_v2_executor import analysis, backends, checks
 from te_v2_executor.config import TEv2Config
 from te_v2_executor.recipes import active_recipe
-from te_v2_executor.state import LinearQuantState, registry_for
+from te_v2_executor.state import LinearQuantState, StateKey, StateRegistry
 from te_v2_executor.symbols import (
     CHECK_RECIPE,
     GELU,
@@ -116,11 +120,10 @@ class LinearLowering:
         rule, by_policy = self.rule_broken(x, w, bias)
         return not rule or (by_policy and self.config.claim.unquantized)
 
-    def _state(self, x: TensorProxy, w: TensorProxy) -> LinearQuantState:
-        registry = registry_for(get_compile_data())
-        return registry.state(
-            (x.name, w.name), w.name, active_recipe(self.config.recipe), self.config.backend
-        )
+    def _state(self, w: TensorProxy) -> LinearQuantState:
+        """A provisional state; ``bind_states`` swaps it for the registry's once the whole trace
+        is known."""
+        return LinearQuantState(w.name, active_recipe(self.config.recipe), self.config.backend)
 
     def execution_transform(
         self, x: TensorProxy, w: TensorProxy, bias: TensorProxy | None = None
@@ -129,7 +132,7 @@ class LinearLowering:
         if self._unquantized(x, w, bias):
             return UNQUANTIZED_FWD(x, w, bias, site=_site(x, w))
         y, *_ = LINEAR_FWD(
-            x, w, bias, state=self._state(x, w), compute_output=True, save_input=False, save_weight=False
+            x, w, bias, state=self._state(w), compute_output=True, save_input=False, save_weight=False
         )
         return y
 
@@ -137,7 +140,7 @@ class LinearLowering:
         """Training: forward, then every gradient; unconsumed ones are removed downstream."""
         if self._unquantized(x, w, bias):
             return _unquantized_grad_transform(x, w, bias)
-        state = self._state(x, w)
+        state = self._state(w)
         y, x_saved, w_saved, _ = LINEAR_FWD(
             x, w, bias, state=state, compute_output=True, save_input=True, save_weight=True
         )
@@ -156,6 +159,18 @@ class LinearLowering:
         compile_data = get_compile_data()
         if compile_data is None:
             return
+        te_v2s = [
+            ex.name
+            for ex in compile_data.executors_list
+            if isinstance(getattr(ex, "lowering", None), LinearLowering)
+        ]
+        if len(te_v2s) > 1:
+            raise ValueError(
+                f"te_v2: executors=[...] lists {len(te_v2s)} te_v2 executors "
+                f"({', '.join(map(repr, te_v2s))}), but only one may be listed: each would claim the "
+                "same linears and run its analysis on the same trace; keep the one with the backend, "
+                "recipe and claim policy you want"
+            )
         for ex in compile_data.executors_list:
             if ex == self.executor:
                 return
@@ -203,16 +218,71 @@ class LinearLowering:
         self.executor._lookasides[torch.nn.functional.linear] = self.lookaside
 
 
+def source_input(producers: dict, p: TensorProxy) -> TensorProxy:
+    """The trace input ``p`` derives from through single-input ops (casts, views, slices): what
+    names a weight, for its state and in the report."""
+    while p in producers and len(inputs := producers[p].flat_proxy_args) == 1:
+        p = inputs[0]
+    return p
+
+
+def _is_forward_linear(bsym: BoundSymbol) -> bool:
+    """A linear's forward, in FP8, unquantized or left to Thunder, other than a checkpoint
+    recompute (which Thunder tags as backward)."""
+    linear = (
+        bsym.sym in (LINEAR_FWD, UNQUANTIZED_FWD) or bsym.sym.id in LINEAR_IDS or bsym.sym is torchex.linear
+    )
+    return linear and BoundSymbolTag.BACKWARD not in bsym.tags
+
+
+def bind_states(trace: TraceCtx, registry: StateRegistry) -> TraceCtx:
+    """Give every te_v2 symbol of a joint or inference trace its linear's state from
+    ``registry``, by ``StateKey``, in place of the provisional one the transforms gave it; then
+    load what was loaded before the first trace (``load_quantization_state_dict``).
+
+    The symbols of one linear (its forward, a checkpoint recompute, the dy quantization and the
+    GEMMs) share the provisional state, so they get one state. A linear's ordinal counts the
+    forwards before it whose weight has the same source, whoever runs them, so that a trace where
+    another use of the weight falls back (a batch shape TE cannot run) numbers the same.
+    """
+    producers = utils.producers(trace)
+    ordinals: collections.Counter[str] = collections.Counter()
+    bound: dict[int, LinearQuantState] = {}
+    for bsym in filter(_is_forward_linear, trace.bound_symbols):
+        name = source_input(producers, bsym.args[1]).name
+        source = name.removeprefix("t_")  # as explain names it
+        ordinal, ordinals[source] = ordinals[source], ordinals[source] + 1
+        if bsym.sym is LINEAR_FWD:
+            state = bsym.kwargs["state"]
+            key = StateKey(source, ordinal, state.recipe, state.backend)
+            bound[id(state)] = registry.state(key, name)
+    registry.take_held()
+    if not bound:
+        return trace
+    return analysis.with_bound_symbols(trace, [_rebound(b, bound) for b in trace.bound_symbols])
+
+
+def _rebound(bsym: BoundSymbol, bound: dict[int, LinearQuantState]) -> BoundSymbol:
+    """``bsym`` with its bound state, if it is a te_v2 symbol of a linear."""
+    state = bsym.kwargs.get("state")
+    if not isinstance(state, LinearQuantState):
+        return bsym
+    return bsym.from_bsym(kwargs={**bsym.kwargs, "state": bound[id(state)]})
+
+
 _SQRT1_2 = 0.7071067811865476
 _INV_SQRT_2PI = 0.3989422804014327
 
 
 def _gelu_backward_ops(grad: TensorProxy, a: TensorProxy) -> TensorProxy:
-    """PyTorch's exact GELU backward in fp32, rounded once to ``a``'s dtype."""
-    x = ltorch.to(a, torch.float32)
+    """PyTorch's exact GELU backward, computed as PyTorch does in the wider of float32 and
+    ``a``'s dtype (float32 for the 16-bit dtypes, float64 for float64), rounded once to ``a``'s
+    dtype."""
+    compute = torch.promote_types(torch.float32, _torch_dtype(a))
+    x = ltorch.to(a, compute)
     cdf = ltorch.mul(0.5, ltorch.add(1.0, ltorch.erf(ltorch.mul(x, _SQRT1_2))))
     pdf = ltorch.mul(ltorch.exp(ltorch.mul(ltorch.mul(-0.5, x), x)), _INV_SQRT_2PI)
-    dx = ltorch.mul(ltorch.to(grad, torch.float32), ltorch.add(cdf, ltorch.mul(x, pdf)))
+    dx = ltorch.mul(ltorch.to(grad, compute), ltorch.add(cdf, ltorch.mul(x, pdf)))
     return ltorch.to(dx, _torch_dtype(a))
 
 

@@ -1,10 +1,13 @@
 """Quantization-state bookkeeping: who owns amax/scale state, and the once-per-pass flush.
 
 Each linear call site of a compiled function owns one ``LinearQuantState`` (forward quantizers
-for x and W, a backward one for dy). It is keyed by the names of its input and weight proxies,
-which Thunder keeps stable across retraces of one function, so freezing or unfreezing a weight
-(a retrace) keeps the delayed-scaling history, as a ``te.Linear`` module would. The forward and
-its checkpoint recompute share the object.
+for x and W, a backward one for dy). It is keyed by a ``StateKey``: the trace input its weight
+derives from, the call's ordinal among the linears of that weight, the recipe and the backend,
+none of which depend on the proxy names a retrace shifts; so a retrace (``eval()``, autocast,
+freezing a weight, a new batch shape or grad mode) keeps the delayed-scaling history, as a
+``te.Linear`` module would. The forward and its checkpoint recompute share the object.
+``quantization_state_dict`` and ``load_quantization_state_dict`` save and restore the delayed
+scaling tensors under string names made of the key.
 
 A ``SyncGroup`` is what one sync symbol flushes: all delayed-scaling states of one direction of
 one trace, updated with one concatenation, at most one all-reduce and one fused update. Inside a
@@ -13,34 +16,70 @@ one trace, updated with one concatenation, at most one all-reduce and one fused 
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import dataclasses
 import functools
 import weakref
 from collections.abc import Iterable, Iterator
 from types import ModuleType
-from typing import Any
+from typing import Any, NamedTuple
 
+import thunder
 import torch
 
 from te_v2_executor.backends import Backend, kernels
 from te_v2_executor.recipes import RecipeSpec
 
 
+class StateKey(NamedTuple):
+    """What identifies a linear's state across the retraces of one compiled function.
+
+    ``source``: the trace input the weight derives from through single-tensor-input ops (casts,
+    views, slices), as ``explain`` names it; ``ordinal``: the call's position among the linears
+    of that trace whose weight has that source, in trace order (a weight used twice, or sliced in
+    two, has two states).
+    """
+
+    source: str
+    ordinal: int
+    recipe: RecipeSpec
+    backend: Backend
+
+    @property
+    def site(self) -> str:
+        """``"{source}.{ordinal}"``, the start of the state's names in a state dict."""
+        return f"{self.source}.{self.ordinal}"
+
+
+# The delayed-scaling tensors of a state, by their names in a state dict ("forward.scale"): the
+# direction (forward: the columns of x and W; backward: dy's), then the tensor.
+_DIRECTIONS = {"forward": True, "backward": False}
+_TENSORS = ("amax_history", "scale")
+
+
 class LinearQuantState:
     """Quantization state of one linear call site; backend scaling states are made lazily on
-    the device of the first call."""
+    the device of the first call.
 
-    def __init__(self, key: tuple[str, str], name: str, recipe: RecipeSpec, backend: Backend) -> None:
-        self.key = key
+    ``name``: the weight's proxy, or for a state of the registry the trace input the weight derives
+    from. ``key`` is None for the provisional state the lowering gives a linear when it is traced;
+    ``bind_states`` (lowering.py) swaps it for the registry's state of its key.
+    """
+
+    def __init__(self, name: str, recipe: RecipeSpec, backend: Backend, key: StateKey | None = None) -> None:
         self.name = name
+        self.key = key
         self.recipe = recipe
         self.backend = backend
         self.amax_group: Any = None  # the amax reduction group seen by the last forward flush
         self._forward = None
         self._backward = None
+        self._loaded: dict[bool, dict[str, torch.Tensor]] = {}  # held until the scaling is made
 
     def __repr__(self) -> str:
-        return f"LinearQuantState({self.name}, {self.recipe.scaling.value}, {self.backend.value})"
+        site = self.name if self.key is None else self.key.site
+        return f"LinearQuantState({site}, {self.recipe.scaling.value}, {self.backend.value})"
 
     @functools.cached_property
     def kernels(self) -> ModuleType:
@@ -48,17 +87,52 @@ class LinearQuantState:
 
     def forward_scaling(self, device: torch.device) -> Any:
         if self._forward is None:
-            self._forward = self.kernels.ScalingState(self.recipe, forward=True, device=device)
+            self._forward = self._new_scaling(forward=True, device=device)
         return self._forward
 
     def backward_scaling(self, device: torch.device) -> Any:
         if self._backward is None:
-            self._backward = self.kernels.ScalingState(self.recipe, forward=False, device=device)
+            self._backward = self._new_scaling(forward=False, device=device)
         return self._backward
+
+    def _new_scaling(self, *, forward: bool, device: torch.device) -> Any:
+        """A backend scaling state of one direction, holding the tensors loaded for it."""
+        scaling = self.kernels.ScalingState(self.recipe, forward=forward, device=device)
+        for name, value in self._loaded.pop(forward, {}).items():
+            getattr(scaling, name).copy_(value)
+        return scaling
 
     def scaling(self, *, forward: bool) -> Any:
         """The scaling state of one direction, None before its first use."""
         return self._forward if forward else self._backward
+
+    def shape(self, direction: str, name: str) -> tuple[int, ...]:
+        """The shape of a delayed-scaling tensor: ``amax_history`` or ``scale`` of "forward" or
+        "backward"."""
+        columns = 2 if _DIRECTIONS[direction] else 1
+        return (self.recipe.amax_history_len, columns) if name == "amax_history" else (columns,)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Detached copies of the delayed-scaling tensors of each direction used (or loaded) so
+        far, by ``"{direction}.{name}"``."""
+        found = {}
+        for direction, forward in _DIRECTIONS.items():
+            scaling = self.scaling(forward=forward)
+            for name in _TENSORS:
+                value = self._loaded.get(forward, {}).get(name) if scaling is None else getattr(scaling, name)
+                if value is not None:
+                    found[f"{direction}.{name}"] = value.detach().clone()
+        return found
+
+    def load(self, direction: str, name: str, value: torch.Tensor) -> None:
+        """Overwrite one delayed-scaling tensor in place (the kernels and CUDA graphs hold it),
+        or keep a copy for when its direction is first used."""
+        forward = _DIRECTIONS[direction]
+        scaling = self.scaling(forward=forward)
+        if scaling is None:
+            self._loaded.setdefault(forward, {})[name] = value.detach().clone()
+        else:
+            getattr(scaling, name).copy_(value)
 
 
 # What a flush does is decided in Python on each call; a CUDA graph capture would freeze it.
@@ -181,21 +255,88 @@ class StateRegistry:
     (keyed by what te_v2 runs in it, so a cache hit on an older trace finds that trace's report)."""
 
     def __init__(self) -> None:
-        self._states: dict[tuple[str, str], LinearQuantState] = {}
+        self._states: dict[StateKey, LinearQuantState] = {}
+        self._held: dict[str, torch.Tensor] = {}  # loaded before any state existed
+        self._held_strict = True
         self.reports: dict[Any, Any] = {}
         self.latest_report: Any = None
 
     def record(self, key: Any, report: Any) -> None:
         self.reports[key] = self.latest_report = report
 
-    def state(
-        self, key: tuple[str, str], name: str, recipe: RecipeSpec, backend: Backend
-    ) -> LinearQuantState:
-        """The state of call site ``key``; a new one when the recipe or backend changed."""
+    @property
+    def states(self) -> dict[StateKey, LinearQuantState]:
+        """Every state made so far, of every trace and recipe, by key."""
+        return dict(self._states)
+
+    def state(self, key: StateKey, name: str) -> LinearQuantState:
+        """The state of ``key``, made (named ``name``) on its first request; a recipe change and
+        back finds the old one again."""
         found = self._states.get(key)
-        if found is None or found.recipe != recipe or found.backend is not backend:
-            found = self._states[key] = LinearQuantState(key, name, recipe, backend)
+        if found is None:
+            found = self._states[key] = LinearQuantState(name, key.recipe, key.backend, key)
         return found
+
+    def named_states(self) -> dict[str, LinearQuantState]:
+        """The delayed-scaling states by the prefix of their state-dict names: the key's site,
+        then the recipe where one site has states of several delayed recipes."""
+        delayed = [s for s in self._states.values() if s.recipe.stateful]
+        per_site = collections.Counter(s.key.site for s in delayed)
+        return {
+            s.key.site if per_site[s.key.site] == 1 else f"{s.key.site}.{_recipe_tag(s.recipe)}": s
+            for s in delayed
+        }
+
+    def _addresses(self) -> dict[str, LinearQuantState]:
+        """``named_states``, and each delayed state also by its site followed by its recipe, the
+        name it is saved under where the saving function had several delayed recipes."""
+        named = self.named_states()
+        return {**{f"{s.key.site}.{_recipe_tag(s.recipe)}": s for s in named.values()}, **named}
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Copies of every delayed-scaling tensor, and of those loaded for states not made yet."""
+        found = {name: value.clone() for name, value in self._held.items()}
+        for prefix, s in self.named_states().items():
+            found.update({f"{prefix}.{name}": value for name, value in s.tensors().items()})
+        return found
+
+    def matches(self, state_dict: dict[str, torch.Tensor]) -> list[tuple[str, LinearQuantState]]:
+        """(name, state) of each entry of ``state_dict`` that names a tensor of one of these
+        states; raises naming the entry whose shape differs from the state's."""
+        named = self._addresses()
+        found = []
+        for name, value in state_dict.items():
+            prefix, direction, tensor = _split(name)
+            s = named.get(prefix)
+            if s is None:
+                continue
+            expected = s.shape(direction, tensor)
+            if tuple(value.shape) != expected:
+                raise ValueError(
+                    f"te_v2: quantization state {name!r} has shape {tuple(value.shape)}, but this "
+                    f"function's has {expected} (amax_history_len={s.recipe.amax_history_len}); "
+                    "load it into a function running the recipe it was saved with"
+                )
+            found.append((name, s))
+        return found
+
+    def hold(self, state_dict: dict[str, torch.Tensor], *, strict: bool) -> None:
+        """Keep a state dict loaded before the first trace, for ``take_held`` to load into the
+        states that trace makes."""
+        self._held = {name: value.detach().clone() for name, value in state_dict.items()}
+        self._held_strict = strict
+
+    def take_held(self) -> None:
+        """Load the held state dict into the states made so far (``bind_states`` calls it after
+        binding a trace); in strict mode an entry no state takes is an error."""
+        if not self._held:
+            return
+        matched = self.matches(self._held)
+        if self._held_strict:  # an error keeps the state dict held: each retry raises again
+            _refuse_unknown(self._held.keys() - {name for name, _ in matched}, self.named_states())
+        held, self._held = self._held, {}
+        for name, s in matched:
+            s.load(*_split(name)[1:], held[name])
 
 
 _registries: weakref.WeakKeyDictionary[Any, StateRegistry] = weakref.WeakKeyDictionary()
@@ -210,3 +351,94 @@ def registry_for(compile_data: Any) -> StateRegistry:
     if found is None:
         found = _registries[compile_data] = StateRegistry()
     return found
+
+
+def _recipe_tag(recipe: RecipeSpec) -> str:
+    """The recipe in a state's names where one site has states of several delayed recipes: the
+    fields that differ from DelayedScaling's defaults, e.g. ``delayed(amax_history_len=16)``."""
+    default = RecipeSpec()
+    changed = [
+        f"{f.name}={getattr(recipe, f.name)}"
+        for f in dataclasses.fields(recipe)
+        if f.compare and getattr(recipe, f.name) != getattr(default, f.name)
+    ]
+    return f"delayed({','.join(changed)})"
+
+
+def _split(name: str) -> tuple[str, str, str]:
+    """A state-dict name as (state prefix, direction, tensor); empty strings for a name that is
+    no delayed-scaling tensor's."""
+    parts = name.rsplit(".", 2)
+    if len(parts) != 3 or parts[1] not in _DIRECTIONS or parts[2] not in _TENSORS:
+        return "", "", ""
+    prefix, direction, tensor = parts
+    return prefix, direction, tensor
+
+
+def _refuse_unknown(unknown: Iterable[str], named: dict[str, LinearQuantState]) -> None:
+    """Raise naming the state-dict entries no state of the function takes, if any."""
+    if unknown := sorted(unknown):
+        raise ValueError(
+            f"te_v2: no delayed-scaling linear of this function has the quantization state "
+            f"{', '.join(map(repr, unknown))} (its states: {', '.join(sorted(named)) or 'none'}); "
+            "names are '{source}.{ordinal}.{forward|backward}.{amax_history|scale}' as "
+            "quantization_state_dict gives them: load a state dict of the same model, or pass "
+            "strict=False to skip these entries"
+        )
+
+
+def _registries_of(fn: Any) -> list[StateRegistry]:
+    """The registries of a ``thunder.jit`` callable, or of each region of a ``thunderfx`` one."""
+    from te_v2_executor.explain import _compiled_functions  # explain imports this module
+
+    compile_datas = [thunder.compile_data(f) for f in _compiled_functions(fn)]
+    if None in compile_datas:
+        raise TypeError(f"te_v2: {fn!r} is neither a thunder.jit callable nor a thunderfx object")
+    return [registry_for(cd) for cd in compile_datas]
+
+
+def quantization_state_dict(fn: Any) -> dict[str, torch.Tensor]:
+    """The delayed-scaling state of every linear of a compiled function, for a checkpoint.
+
+    ``fn``: a ``thunder.jit`` callable or a ``thunderfx`` object (all its regions). Names are
+    ``"{source}.{ordinal}.forward.amax_history"``, ``.forward.scale``, ``.backward.amax_history``
+    and ``.backward.scale``, from each state's ``StateKey`` (where one linear has states of
+    several delayed recipes, the recipe follows the ordinal); the values are detached copies,
+    plain tensors on the state's device. A direction not used yet has no entry.
+    """
+    found: dict[str, torch.Tensor] = {}
+    for registry in _registries_of(fn):
+        found.update(registry.state_dict())  # a region compiled anew supersedes the older one
+    return found
+
+
+def load_quantization_state_dict(
+    fn: Any, state_dict: dict[str, torch.Tensor], *, strict: bool = True
+) -> None:
+    """Load a ``quantization_state_dict`` into a compiled function, in place.
+
+    A ``thunder.jit`` callable may be loaded before its first call: the state dict is held and
+    loaded into the states its first trace makes. A ``thunderfx`` object has states only once it
+    has compiled its regions; each entry is loaded into every region with that linear.
+    ``strict``: an entry no linear takes raises (checked at the first trace when held); a shape
+    mismatch always raises. Entries missing from ``state_dict`` leave their states as they are.
+    """
+    registries = _registries_of(fn)
+    if not registries:
+        raise ValueError(
+            "te_v2: this thunderfx function has compiled no region yet, so it has no quantization "
+            "state to load into: call it once first, on a batch like the training ones and with "
+            "grad enabled (a forward alone; the load overwrites the state that forward updates), "
+            "then load. Under torch.no_grad() Dynamo compiles regions the training step does not reuse."
+        )
+    if len(registries) == 1 and not registries[0].states:
+        if strict:
+            _refuse_unknown([name for name in state_dict if not _split(name)[0]], {})
+        registries[0].hold(state_dict, strict=strict)
+        return
+    matched = [m for registry in registries for m in registry.matches(state_dict)]
+    if strict:
+        named = {name: s for registry in registries for name, s in registry.named_states().items()}
+        _refuse_unknown(state_dict.keys() - {name for name, _ in matched}, named)
+    for name, s in matched:
+        s.load(*_split(name)[1:], state_dict[name])
