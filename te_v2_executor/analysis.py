@@ -4,6 +4,8 @@ Its signal is consumption, never ``requires_grad``: after Thunder's dead-code el
 dgrad, wgrad or bias grad exists in the joint trace only if a returned gradient needs it, through
 any chain of casts, views, checkpoints or collectives. From that the pass
 
+* makes a backward that reads a tensor after an in-place write into it raise, as eager's does
+  (Thunder's would read the written values);
 * rewrites each ``te_v2_linear_fwd`` to build the column-wise FP8 copy of x only when a wgrad
   reads it, of W only when a dgrad reads it, and its output only when something reads it (a
   recomputed forward under activation checkpointing may be needed for its copies alone);
@@ -20,11 +22,14 @@ any chain of casts, views, checkpoints or collectives. From that the pass
 * folds an exact GELU whose output only a te_v2 forward reads into that forward's quantization,
   and the GELU's backward into the quantization of the gradient it produces.
 
-Trace in, trace out; symbols are recognised by identity.
+Every fold moves a read, and is made only where no write into what it reads lies between the
+old and the new position (``writes.Writes``). Trace in, trace out; symbols are recognised by
+identity.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -37,6 +42,7 @@ from thunder.core.transform_common import dce, replace_redundant_inputs
 
 from te_v2_executor.state import LinearQuantState, SyncGroup
 from te_v2_executor.symbols import (
+    ACCUMULATE_ARG,
     BACKWARD_SYNC,
     FORWARD_SYNC,
     GELU,
@@ -45,10 +51,12 @@ from te_v2_executor.symbols import (
     LINEAR_FWD,
     LINEAR_WGRAD,
     QUANTIZE_GRAD_OUTPUT,
+    REFUSE_BACKWARD,
     UNQUANTIZED_DGRAD,
     UNQUANTIZED_FWD,
     UNQUANTIZED_WGRAD,
 )
+from te_v2_executor.writes import Writes, describe
 
 
 def is_recompute(bsym: BoundSymbol) -> bool:
@@ -99,6 +107,26 @@ def _delayed_states(trace: TraceCtx, sym: Any, *, recomputed: bool = False) -> t
     return tuple(states.values())
 
 
+def _forward_token(trace: TraceCtx, returned: dict, key: str) -> TensorProxy:
+    """The forward output the forward sync passes through: one the trace computes, else an input
+    the trace writes into (``out.copy_(linear(x)); return out``), whose written version it
+    returns."""
+    outputs = [o for o in tree_flatten(returned[key])[0] if isinstance(o, TensorProxy)]
+    flat_args = {a.name for a in returned["flat_args"] if isinstance(a, TensorProxy)}
+    producers = utils.producers(trace)
+    computed = [o for o in outputs if o.name not in flat_args]
+    written = [o for o in outputs if o in producers]
+    token = next(iter(computed + written), None)
+    if token is None:
+        raise NotImplementedError(
+            "te_v2: delayed scaling flushes its state at the end of the forward by passing one "
+            "output tensor through, but this function returns no tensor it computes or writes; "
+            "return one (e.g. the linear's output), or use a stateless recipe "
+            "(Float8CurrentScaling, Float8BlockScaling)"
+        )
+    return token
+
+
 def _insert_forward_sync(trace: TraceCtx, group: SyncGroup) -> TraceCtx:
     """Put the forward sync at the end of the forward.
 
@@ -111,18 +139,7 @@ def _insert_forward_sync(trace: TraceCtx, group: SyncGroup) -> TraceCtx:
     bsyms = list(trace.bound_symbols)
     ret = bsyms[-1]
     key = "fw_flat_out" if "fw_flat_out" in ret.args[0] else "output"
-    outputs = ret.args[0][key]
-    flat_args = {a.name for a in ret.args[0]["flat_args"] if isinstance(a, TensorProxy)}
-    token = next(
-        (o for o in tree_flatten(outputs)[0] if isinstance(o, TensorProxy) and o.name not in flat_args),
-        None,
-    )
-    if token is None:
-        raise NotImplementedError(
-            "te_v2: delayed scaling flushes its state at the end of the forward by passing one "
-            "output tensor through, but this function returns no tensor it computes; return one, "
-            "or use a stateless recipe (Float8CurrentScaling, Float8BlockScaling)"
-        )
+    token = _forward_token(trace, ret.args[0], key)
     after = [b.output[-1] for b in bsyms if b.sym is LINEAR_FWD and not is_recompute(b)]
     with tracectx(trace):
         passed, replay = FORWARD_SYNC.meta(token, *after, group=group)
@@ -157,6 +174,32 @@ def with_bound_symbols(trace: TraceCtx, bsyms: list[BoundSymbol]) -> TraceCtx:
     return new_trace
 
 
+def _returned_grads(trace: TraceCtx) -> list[TensorProxy]:
+    """The gradients a joint trace returns (none for an inference trace)."""
+    ret = trace.bound_symbols[-1].args[0]
+    return [g for g in ret["output"] if isinstance(g, TensorProxy)] if "fw_flat_out" in ret else []
+
+
+def _before_return(trace: TraceCtx, bsym: BoundSymbol) -> TraceCtx:
+    return with_bound_symbols(trace, [*trace.bound_symbols[:-1], bsym, trace.bound_symbols[-1]])
+
+
+def refuse_stale_reads(trace: TraceCtx) -> TraceCtx:
+    """Make a backward that reads a tensor after an in-place write into it raise, as eager's does.
+
+    Thunder's backward reads what the forward saved by its storage, so a write into it after the
+    save changes the gradient, silently. The forward still runs, as eager's does, and a
+    ``te_v2_refuse_backward`` that reads the returned gradients (so that Thunder's split puts it
+    at the end of the backward, before they are returned) raises the error naming the tensor and
+    the write. The forward is Thunder's and is left as it is."""
+    writes = Writes(trace)
+    stale = next((s for s in writes.stale_reads() if BoundSymbolTag.BACKWARD in s.reader.tags), None)
+    grads = _returned_grads(trace)
+    if stale is None or not grads:
+        return trace
+    return _before_return(trace, REFUSE_BACKWARD.bind(*grads, message=describe(writes, stale), output=None))
+
+
 def insert_syncs(trace: TraceCtx, *, grad_enabled: bool) -> TraceCtx:
     """Insert the delayed-scaling flushes, if the trace has delayed-scaling linears.
 
@@ -166,15 +209,16 @@ def insert_syncs(trace: TraceCtx, *, grad_enabled: bool) -> TraceCtx:
     """
     ret = trace.bound_symbols[-1]
     joint = "fw_flat_out" in ret.args[0]
-    grads = [g for g in ret.args[0]["output"] if isinstance(g, TensorProxy)] if joint else []
+    grads = _returned_grads(trace)
     forward_states = _delayed_states(trace, LINEAR_FWD)
     if forward_states and (grads or (grad_enabled and not joint)):
         replayed = _delayed_states(trace, LINEAR_FWD, recomputed=True)
         trace = _insert_forward_sync(trace, SyncGroup(forward_states, forward=True, replayed=replayed))
     backward_states = _delayed_states(trace, QUANTIZE_GRAD_OUTPUT)
     if grads and backward_states:
-        sync = BACKWARD_SYNC.bind(*grads, group=SyncGroup(backward_states, forward=False), output=None)
-        trace = with_bound_symbols(trace, [*trace.bound_symbols[:-1], sync, trace.bound_symbols[-1]])
+        trace = _before_return(
+            trace, BACKWARD_SYNC.bind(*grads, group=SyncGroup(backward_states, forward=False), output=None)
+        )
     return trace
 
 
@@ -183,9 +227,6 @@ def insert_syncs(trace: TraceCtx, *, grad_enabled: bool) -> TraceCtx:
 _ALLOCATING = {"add", "matmul", "linear"}
 _VIEWING = {"reshape", "shallow_copy"}
 
-# te_v2 GEMMs that can add their product into an existing buffer, and the position of that
-# buffer (``accumulate_into``) among their arguments.
-_ACCUMULATE_ARG = {LINEAR_DGRAD: 2, UNQUANTIZED_FWD: 3, UNQUANTIZED_DGRAD: 2}
 # te_v2 GEMMs that can scale their product by a constant (``scale``).
 _SCALABLE = (UNQUANTIZED_FWD, UNQUANTIZED_DGRAD, UNQUANTIZED_WGRAD)
 
@@ -199,6 +240,10 @@ _EXACT_WIDENING = {
 }
 
 
+# A fold a pass may make: (the bound symbols it absorbs, the one that replaces the last of them).
+Fold = tuple[tuple[BoundSymbol, ...], BoundSymbol]
+
+
 def _read_only_by(p: Any, reader: BoundSymbol, consumers: Any) -> bool:
     readers = consumers.get(p, [])
     return len(readers) == 1 and readers[0] is reader
@@ -208,7 +253,7 @@ def _allocates(producer: BoundSymbol, p: Any) -> bool:
     """Whether ``p`` is a fresh tensor ``producer`` allocated (not a view, not a saved copy)."""
     if producer.sym is LINEAR_FWD:
         return p is producer.output[0]
-    return producer.sym in _ACCUMULATE_ARG or producer.sym.name in _ALLOCATING
+    return producer.sym in ACCUMULATE_ARG or producer.sym.name in _ALLOCATING
 
 
 def _writable_in_place(p: Any, reader: BoundSymbol, producers: Any, consumers: Any) -> bool:
@@ -288,35 +333,33 @@ def _summands(
 def _plain_product(gemm: BoundSymbol) -> bool:
     """Whether ``gemm`` computes its product alone: it adds it into no buffer and adds no bias,
     so that its output may take a scale, or another summand, without changing either."""
-    at = _ACCUMULATE_ARG.get(gemm.sym)
+    at = ACCUMULATE_ARG.get(gemm.sym)
     if at is not None and len(gemm.args) > at and gemm.args[at] is not None:
         return False
     return not (gemm.sym is UNQUANTIZED_FWD and gemm.args[2] is not None)
 
 
-def _accumulating_gemm(
-    bsym: BoundSymbol, producers: Any, consumers: Any
-) -> tuple[tuple[BoundSymbol, ...], BoundSymbol] | None:
-    """(the GEMM and the sum's other ops, the GEMM accumulating into the other summand) when
-    ``bsym`` ends a sum of a te_v2 GEMM's product and a tensor the sum may overwrite."""
+def _accumulating_gemm(bsym: BoundSymbol, producers: Any, consumers: Any) -> Iterator[Fold]:
+    """(the GEMM and the sum's other ops, the GEMM accumulating into the other summand), for each
+    of the sum's operands that is a te_v2 GEMM's product, when ``bsym`` ends a sum of it and a
+    tensor the sum may overwrite."""
     found = _summands(bsym, producers, consumers)
     if found is None:
-        return None
+        return
     pairs, ops = found
     for (product, reader), (other, other_reader) in (pairs, pairs[::-1]):
         gemm = producers.get(product, None)
-        if gemm is None or gemm.sym not in _ACCUMULATE_ARG or other is product:
+        if gemm is None or gemm.sym not in ACCUMULATE_ARG or other is product:
             continue
         if not _plain_product(gemm):
             continue  # accumulating already, or a bias that would be added twice
         if _read_only_by(product, reader, consumers) and _writable_in_place(
             other, other_reader, producers, consumers
         ):
-            at = _ACCUMULATE_ARG[gemm.sym]
+            at = ACCUMULATE_ARG[gemm.sym]
             args = list(gemm.args) + [None] * (at + 1 - len(gemm.args))
             args[at] = other
-            return (gemm, *ops), gemm.from_bsym(args=tuple(args), output=bsym.output)
-    return None
+            yield (gemm, *ops), gemm.from_bsym(args=tuple(args), output=bsym.output)
 
 
 def _is_constant_mul(bsym: BoundSymbol | None) -> bool:
@@ -357,29 +400,28 @@ def _scaling(
     return t, float(s), chain
 
 
-def _scale_in_producer(
-    bsym: BoundSymbol, producers: Any, consumers: Any
-) -> tuple[tuple[BoundSymbol, ...], BoundSymbol] | None:
+def _scale_in_producer(bsym: BoundSymbol, producers: Any, consumers: Any) -> Iterator[Fold]:
     """(the unquantized GEMM and the scaling's other ops, the GEMM scaling its own product) when
     ``bsym`` ends the scaling of such a GEMM's product that nothing else reads."""
     found = _scaling(bsym, producers, consumers)
     if found is None:
-        return None
+        return
     t, s, chain = found
     gemm = producers.get(t, None)
     if gemm is None or gemm.sym not in _SCALABLE or gemm.kwargs.get("scale", 1.0) != 1.0:
-        return None
+        return
     if not _plain_product(gemm):
-        return None  # the sum or the bias would be scaled too
+        return  # the sum or the bias would be scaled too
     if not _read_only_by(t, chain[-1] if chain else bsym, consumers):
-        return None
-    return (gemm, *chain), gemm.from_bsym(kwargs={**gemm.kwargs, "scale": s}, output=bsym.output)
+        return
+    yield (gemm, *chain), gemm.from_bsym(kwargs={**gemm.kwargs, "scale": s}, output=bsym.output)
 
 
 def _scale_in_consumers(trace: TraceCtx) -> TraceCtx:
     """Where every reader of ``t * s`` is an unquantized dgrad or wgrad reading it as dy, have
     them read t and scale their products by s instead."""
     producers, consumers = utils.producers(trace), utils.consumers(trace)
+    writes = Writes(trace)
     swapped: dict[int, BoundSymbol] = {}
     dropped: set[int] = set()
     for bsym in trace.bound_symbols:
@@ -394,6 +436,9 @@ def _scale_in_consumers(trace: TraceCtx) -> TraceCtx:
         ):
             continue
         t, s, chain = found
+        read_at = writes.position(chain[-1] if chain else bsym)
+        if writes.ever_written(bsym.output) or not writes.reaches(t, read_at, readers):
+            continue
         for r in readers:
             swapped[id(r)] = r.from_bsym(args=(t, *r.args[1:]), kwargs={**r.kwargs, "scale": s})
         dropped.update(map(id, (bsym, *chain)))
@@ -406,8 +451,6 @@ def fold_scales(trace: TraceCtx) -> TraceCtx:
     product, else into the dgrad and wgrad that read it (the gradient flowing into the adapter).
     One rounding instead of two, and no elementwise kernel. Run before ``accumulate_sums``, whose
     sums the scaled products then feed directly."""
-    if has_in_place_ops(trace):
-        return trace
     return _scale_in_consumers(_fold(trace, _scale_in_producer))
 
 
@@ -428,10 +471,10 @@ def drop_exact_round_trips(trace: TraceCtx) -> TraceCtx:
     """Read ``a`` where the trace casts it to a wider dtype and back (the gradient of a bfloat16
     add, whose backward Thunder writes in float32): an identity that a fusion executor would still
     run as a copy kernel. A round trip whose result the trace returns is kept, so that no output
-    is one of the trace's own tensors by another name."""
-    if has_in_place_ops(trace):
-        return trace
-    producers = utils.producers(trace)
+    is one of the trace's own tensors by another name, and so is one whose result is written in
+    place, or whose source is written before the result is read."""
+    producers, consumers = utils.producers(trace), utils.consumers(trace)
+    writes = Writes(trace)
     returned = {id(o) for o in tree_flatten(trace.output)[0]}
     redundant: dict = {}
     kept = []
@@ -439,7 +482,12 @@ def drop_exact_round_trips(trace: TraceCtx) -> TraceCtx:
         inner = producers.get(bsym.args[0], None) if _is_cast(bsym) else None
         if _exact_widening(inner):
             a, out = inner.args[0], bsym.output
-            if id(out) not in returned and _dtype(a) == _dtype(out):
+            if (
+                id(out) not in returned
+                and _dtype(a) == _dtype(out)
+                and not writes.ever_written(out)
+                and writes.reaches(a, writes.position(inner), consumers.get(out, []))
+            ):
                 redundant[variableify(out)] = a
                 continue
         kept.append(bsym)
@@ -449,16 +497,21 @@ def drop_exact_round_trips(trace: TraceCtx) -> TraceCtx:
 
 
 def _fold(trace: TraceCtx, fold: Any) -> TraceCtx:
-    """Apply ``fold(bsym, producers, consumers)`` to every bound symbol: where it returns
-    (other bound symbols, a replacement), the replacement takes ``bsym``'s place and the others,
-    whose work the replacement now does, are removed."""
+    """Apply ``fold(bsym, producers, consumers)`` to every bound symbol: of the folds it offers,
+    (other bound symbols, a replacement), the first whose replacement reads what they read, no
+    write in between (``Writes.moved_reads_unchanged``), is made: the replacement takes ``bsym``'s
+    place and the others, whose work it now does, are removed."""
     producers, consumers = utils.producers(trace), utils.consumers(trace)
+    writes = Writes(trace)
     dropped: set[int] = set()
     swapped: dict[int, BoundSymbol] = {}
     for bsym in trace.bound_symbols:
-        if (found := fold(bsym, producers, consumers)) is not None:
-            absorbed, swapped[id(bsym)] = found
-            dropped.update(map(id, absorbed))
+        at = writes.position(bsym)
+        for absorbed, replacement in fold(bsym, producers, consumers):
+            if writes.moved_reads_unchanged([*absorbed, bsym], replacement, at):
+                swapped[id(bsym)] = replacement
+                dropped.update(map(id, absorbed))
+                break
     return _replaced(trace, swapped, dropped)
 
 
@@ -472,9 +525,7 @@ def _replaced(trace: TraceCtx, swapped: dict[int, BoundSymbol], dropped: set[int
     )
 
 
-def _gelu_folded(
-    bsym: BoundSymbol, producers: Any, consumers: Any
-) -> tuple[tuple[BoundSymbol], BoundSymbol] | None:
+def _gelu_folded(bsym: BoundSymbol, producers: Any, consumers: Any) -> Iterator[Fold]:
     """(the GELU, ``bsym`` reading the GELU's input instead) when ``bsym`` is a te_v2 forward or
     dy quantization whose tensor operand an exact GELU (or its backward) produced for it alone."""
     if bsym.sym is LINEAR_FWD:
@@ -482,20 +533,13 @@ def _gelu_folded(
     elif bsym.sym is QUANTIZE_GRAD_OUTPUT:
         gelu_sym, flag = GELU_BACKWARD, {}
     else:
-        return None
+        return
     operand = bsym.args[0]
     gelu = producers.get(operand, None)
     if gelu is None or gelu.sym is not gelu_sym or not _read_only_by(operand, bsym, consumers):
-        return None
+        return
     args = (*gelu.args, *bsym.args[len(gelu.args) :])
-    return (gelu,), bsym.from_bsym(args=args, kwargs={**bsym.kwargs, **flag})
-
-
-def has_in_place_ops(trace: TraceCtx) -> bool:
-    """Whether ``trace`` writes into an existing tensor (Thunder's ``copy_``, ``update_aliases``
-    and the other in-place ops, named with a trailing ``_``): a pass that moves a read past
-    another op, or merges two tensors, could then see a different value."""
-    return any(b.sym.name.endswith("_") or b.sym.name == "update_aliases" for b in trace.bound_symbols)
+    yield (gelu,), bsym.from_bsym(args=args, kwargs={**bsym.kwargs, **flag})
 
 
 def fuse_gelus(trace: TraceCtx) -> TraceCtx:
@@ -505,9 +549,7 @@ def fuse_gelus(trace: TraceCtx) -> TraceCtx:
     ``te_v2_linear_fwd(gelu(a), ...)`` becomes ``te_v2_linear_fwd(a, ..., gelu=True)`` and
     ``te_v2_quantize_grad_output(gelu_backward(g, a))`` becomes ``te_v2_quantize_grad_output(g, a)``:
     the activation, or its gradient, is never written in BF16 to be read back by the cast. The
-    fold moves the read of ``a`` (and ``g``) to the te_v2 symbol, so a trace with in-place ops,
-    which might write into them in between, is left as it is.
+    fold moves the read of ``a`` (and ``g``) to the te_v2 symbol, and is not made where a write
+    in between would change them.
     """
-    if has_in_place_ops(trace):
-        return trace
     return _fold(trace, _gelu_folded)

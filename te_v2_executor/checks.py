@@ -90,7 +90,11 @@ def _check_shapes(op: LinearOperands, recipe: RecipeSpec) -> str:
 
 
 def policy_rule_broken(op: LinearOperands, policy: ClaimPolicy) -> str:
-    """Why the claim policy keeps ``op`` out of FP8 by choice, or "" if it does not."""
+    """Why te_v2 keeps ``op`` out of FP8 by choice, or "" if it does not: an empty GEMM, which has
+    nothing to quantize (a batch of no tokens), or a linear the claim policy finds too small."""
+    empty = {"tokens": op.tokens, "in_features": op.w_shape[-1], "out_features": op.w_shape[0]}
+    if zero := [name for name, value in empty.items() if value == 0]:
+        return f"an empty GEMM ({', '.join(f'{name}=0' for name in zero)}) has nothing to quantize"
     smallest = min(op.w_shape)
     if smallest < policy.min_features:
         return f"claim policy: min(in_features, out_features)={smallest} is below min_features={policy.min_features}, too small to gain from FP8"

@@ -26,6 +26,7 @@ from te_v2_executor.lowering import LINEAR_IDS, LinearLowering, bind_states, gel
 from te_v2_executor.recipes import RecipeSpec
 from te_v2_executor.state import registry_for
 from te_v2_executor.symbols import GELU, GELU_BACKWARD
+from te_v2_executor.writes import Writes, check_no_new_stale_reads
 
 
 class TEv2FallbackWarning(UserWarning):
@@ -57,11 +58,11 @@ def _merge_duplicate_casts_and_views(trace: TraceCtx) -> TraceCtx:
     LoRA backward.
 
     Only these ops: Thunder's general CSE would also merge random draws and fresh buffers that are
-    later written in place. Nothing is merged in a trace with in-place ops, whose writes into one
-    copy the other must not see.
+    later written in place. Nor are two merged where a write could tell them apart: into the later
+    one, into the inputs between the two, or into the earlier one before a reader of the later.
     """
-    if analysis.has_in_place_ops(trace):
-        return trace
+    consumers = utils.consumers(trace)
+    writes = Writes(trace)
     redundant: dict = {}
     first: dict = {}
     kept = []
@@ -69,13 +70,23 @@ def _merge_duplicate_casts_and_views(trace: TraceCtx) -> TraceCtx:
         if bsym.sym.name in _MERGEABLE:
             swapped = bsym.from_bsym_swap_proxies(redundant, skip_inputs=False, skip_output=True)
             earlier = first.setdefault((swapped.rhs, id(bsym.sym.executor)), bsym)
-            if earlier is not bsym:
+            if earlier is not bsym and _same_value(earlier, bsym, writes, consumers):
                 redundant[variableify(bsym.output)] = earlier.output
                 continue
         kept.append(bsym)
     if not redundant:
         return trace
     return analysis.with_bound_symbols(trace, list(replace_redundant_inputs(redundant, kept)))
+
+
+def _same_value(earlier: Any, later: Any, writes: Writes, consumers: Any) -> bool:
+    """Whether ``earlier``'s output can stand for ``later``'s, an identical op's, everywhere."""
+    at, moved_from = writes.position(earlier), writes.position(later)
+    return (
+        not writes.ever_written(later.output)
+        and all(writes.unchanged(a, at, moved_from) for a in earlier.flat_proxy_args)
+        and writes.reaches(earlier.output, at, consumers.get(later.output, []))
+    )
 
 
 def _fusible_neighbour(bsym: Any, producers: Any, consumers: Any, fusers: list[FusionExecutor]) -> bool:
@@ -126,10 +137,11 @@ class TEv2Executor(FusionExecutor):
         return [ex for ex in later if isinstance(ex, FusionExecutor)]
 
     def fusion_pass(self, trace: TraceCtx) -> TraceCtx:
-        """Analyse the joint trace: trim forwards and dy quantizations to what the backward
-        consumes, insert the state flushes, drop exact cast round trips, fold constant factors,
-        sums and GELUs into the te_v2 symbols, warn once per fallback te_v2 could not avoid (the
-        claim policy's choices are only reported), and record the report."""
+        """Analyse the joint trace: make a backward that reads a tensor after an in-place write
+        into it raise, trim forwards and dy quantizations to what the backward consumes, insert the
+        state flushes, drop exact cast round trips, fold constant factors, sums and GELUs into
+        the te_v2 symbols where no write crosses a moved read, warn once per fallback te_v2 could
+        not avoid (the claim policy's choices are only reported), and record the report."""
         compile_data = get_compile_data()
         trace = bind_states(trace, registry_for(compile_data))
         fallbacks = []
@@ -141,7 +153,7 @@ class TEv2Executor(FusionExecutor):
                 if not by_policy:
                     desc = operands(*bsym.args, **bsym.kwargs).describe()
                     _warn_once(f"te_v2: linear {desc} runs on Thunder's default path: {rule}")
-        new_trace = analysis.rewrite_for_consumption(trace)
+        new_trace = analysis.rewrite_for_consumption(analysis.refuse_stale_reads(trace))
         grad_enabled = compile_data.is_grad_enabled if compile_data is not None else True
         new_trace = analysis.insert_syncs(new_trace, grad_enabled=grad_enabled)
         new_trace = analysis.drop_exact_round_trips(_merge_duplicate_casts_and_views(new_trace))
@@ -149,6 +161,7 @@ class TEv2Executor(FusionExecutor):
         new_trace = analysis.fuse_gelus(new_trace)
         if fusers := self._later_fusers(compile_data):
             new_trace = _unfolded_gelus_as_torch_ops(new_trace, fusers)
+        check_no_new_stale_reads(trace, new_trace)
         new_trace.set_provenance(TraceProvenance("te_v2 backward-consumption analysis"))
         registry_for(compile_data).record(
             explain.te_v2_signature(new_trace.bound_symbols),

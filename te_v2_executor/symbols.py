@@ -179,6 +179,11 @@ UNQUANTIZED_WGRAD = ops.register_operator(
 )
 
 
+# The te_v2 GEMMs that can add their product into an existing tensor, and the position of that
+# tensor (``accumulate_into``) among their arguments: the tensor they write into.
+ACCUMULATE_ARG = {LINEAR_DGRAD: 2, UNQUANTIZED_FWD: 3, UNQUANTIZED_DGRAD: 2}
+
+
 # ---- exact GELU, claimed so the analysis can fold it into the quantizations next to it --------
 # Unfolded, PyTorch's own kernels run it (fp32 math, one rounding), as in eager mode.
 
@@ -236,6 +241,26 @@ def _backward_sync_impl(*after, group: SyncGroup) -> None:
 
 BACKWARD_SYNC = ops.register_operator(
     "te_v2_backward_sync", meta=_backward_sync_meta, fn=_backward_sync_impl, tags=(prims.OpTags.DONT_DCE,)
+)
+
+
+# ---- a backward that reads a tensor after an in-place write into it: refused when it runs ----
+# (``analysis.refuse_stale_reads``), as eager autograd refuses it; the forward runs as usual.
+
+
+def _refuse_backward_meta(*grads, message):
+    return None
+
+
+def _refuse_backward_impl(*grads, message: str) -> None:
+    raise RuntimeError(message)
+
+
+REFUSE_BACKWARD = ops.register_operator(
+    "te_v2_refuse_backward",
+    meta=_refuse_backward_meta,
+    fn=_refuse_backward_impl,
+    tags=(prims.OpTags.DONT_DCE,),
 )
 
 

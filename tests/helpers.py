@@ -93,3 +93,28 @@ def saved_nbytes(t: torch.Tensor) -> int:
     if planes:
         return sum(p.nbytes for p in planes)
     return sum(saved_nbytes(v) for v in inner) if inner else t.nbytes
+
+
+def assert_like_eager(
+    model: torch.nn.Module, x: torch.Tensor, executors: list, *, grad: bool, **tols
+) -> None:
+    """``model`` compiled with ``executors`` gives eager's outputs and, with ``grad``, eager's
+    parameter gradients for a sum-of-squares loss (None-ness exact), within ``tols``. Each run
+    gets its own copy of ``x``, which the model may write into."""
+    jitted = thunder.jit(model, executors=executors)
+    with torch.set_grad_enabled(grad):
+        expected, actual = model(x.clone()), jitted(x.clone())
+    expected, actual = torch.utils._pytree.tree_leaves(expected), torch.utils._pytree.tree_leaves(actual)
+    for e, a in zip(expected, actual, strict=True):
+        torch.testing.assert_close(a, e, **tols)
+    if not grad:
+        return
+    grads = []
+    for outputs in (actual, expected):
+        model.zero_grad(set_to_none=True)
+        sum((o.float() ** 2).sum() for o in outputs).backward()
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+    for name, g in grads[0].items():
+        assert (g is None) == (grads[1][name] is None), name
+        if g is not None:
+            torch.testing.assert_close(g, grads[1][name], **tols)

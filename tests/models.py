@@ -152,3 +152,50 @@ class TwoOutputs(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.linear(x), x.view(x.shape)
+
+
+class WriteAfterAdapter(nn.Module):
+    """A frozen adapter B reads h, then h is written in place and returned; B's sum with the base
+    is foldable into either GEMM, and B's must not move past the write."""
+
+    def __init__(self, dim: int = 64, rank: int = 16, **kw) -> None:
+        super().__init__()
+        self.A = nn.Linear(dim, rank, bias=False, **kw)
+        self.B = nn.Linear(rank, dim, bias=False, **kw).requires_grad_(False)
+        self.base = nn.Linear(dim, dim, bias=False, **kw)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.A(x)
+        a = self.B(h)
+        h.mul_(2.0)
+        return a + self.base(x), h
+
+
+class WriteIntoInputBeforeAdapter(nn.Module):
+    """PEFT's LoRA forward with the input scaled in place between the base and the adapter."""
+
+    def __init__(self, dim: int = 64, rank: int = 16, **kw) -> None:
+        super().__init__()
+        self.base = nn.Linear(dim, dim, bias=False, **kw).requires_grad_(False)
+        self.lora_A = nn.Linear(dim, rank, bias=False, **kw)
+        self.lora_B = nn.Linear(rank, dim, bias=False, **kw)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        result = self.base(x)
+        x.mul_(0.5)
+        return result + self.lora_B(self.lora_A(x))
+
+
+class SavedThenWritten(nn.Module):
+    """b saves h for its weight gradient, then h is written in place: eager refuses the backward."""
+
+    def __init__(self, dim: int = 64, **kw) -> None:
+        super().__init__()
+        self.a = nn.Linear(dim, dim, bias=False, **kw)
+        self.b = nn.Linear(dim, dim, bias=False, **kw)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        y = self.b(h)
+        h.mul_(2)
+        return y + h

@@ -1,0 +1,218 @@
+"""Where a trace writes into existing tensors, by storage: the one check behind every pass that
+moves a read.
+
+Thunder keeps in-place ops in the joint trace as writes (``copy_(src, dst)`` after it
+functionalizes ``h.mul_(2)``, in-place symbols, te_v2's accumulating GEMMs) and renames a written
+tensor's aliases with ``update_aliases``, so that later readers read the new names. A proxy
+therefore stands for its storage's contents at the point it was made. A pass that moves a read
+of a proxy to another position (a GEMM to the sum it is folded into, a GELU into the cast after
+it), or lets one proxy stand for another (merged casts, dropped round trips), changes what is
+read when the storage is written in between. ``Writes`` answers that question for every pass;
+``stale_reads`` finds the reads that already see a later write, which is what Thunder's backward
+does when a tensor it saved is written in place after the save.
+
+Storage is over-approximated: every op that may return a view (Thunder's own list, and each
+prim-level view) is taken to alias its first input. A pass then refuses a fold it could have
+made; it never makes one it should not.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import thunder.torch as ltorch
+from thunder.core import dtypes, prims
+from thunder.core.proxies import TensorProxy
+from thunder.core.symbol import BoundSymbol
+from thunder.core.trace import TraceCtx
+
+from te_v2_executor.symbols import ACCUMULATE_ARG
+
+# Ops whose output may share its first input's storage, by name (Thunder's torch, prims and
+# torch-executor versions of one op share it).
+# Conversions are left to ``_same_dtype_cast``: one to another dtype is a copy.
+_VIEW_NAMES = frozenset(
+    {s.name for s in ltorch._syms_returning_views | ltorch._syms_that_may_return_views}
+    | {"reshape", "broadcast_in_dim", "transpose", "slice_prim", "squeeze", "unsqueeze", "view"}
+    | {"split", "shallow_copy", "contiguous", "expand", "flatten"}
+) - {"to", "convert_element_type"}
+# Reads of a proxy that do not read its values: a cotangent placeholder, the renaming of a
+# written tensor's aliases, the trace's return.
+_NOT_VALUE_READS = frozenset({"get_grad", "update_aliases", "python_return", "python_del"})
+
+
+def _tensors(values: Iterable[Any]) -> list[TensorProxy]:
+    return [v for v in values if isinstance(v, TensorProxy)]
+
+
+def written_tensor(bsym: BoundSymbol) -> TensorProxy | None:
+    """The existing tensor ``bsym`` writes into, or None: ``copy_``'s destination, an in-place op's
+    first tensor argument, a te_v2 GEMM's ``accumulate_into``."""
+    if bsym.sym.name == "copy_":
+        return bsym.args[1]
+    at = ACCUMULATE_ARG.get(bsym.sym)
+    if at is not None:
+        found = bsym.args[at] if len(bsym.args) > at else None
+        return found if isinstance(found, TensorProxy) else None
+    if bsym.subsymbols and bsym.subsymbols[-1].sym.name == "copy_":
+        return bsym.subsymbols[-1].args[1]
+    tags = bsym.sym.tags or ()
+    if prims.OpTags.IN_PLACE in tags or bsym.sym.name.endswith("_"):
+        args = _tensors(bsym.flat_args)
+        return args[0] if args else None
+    return None
+
+
+def _aliased_pairs(bsym: BoundSymbol) -> Iterator[tuple[TensorProxy, TensorProxy]]:
+    """(output, input) pairs of ``bsym`` that may share storage."""
+    outs = _tensors(bsym.flat_outs)
+    if bsym.sym.name == "update_aliases":
+        yield from zip(outs, _tensors(bsym.args[0]), strict=False)
+        return
+    written = written_tensor(bsym)
+    if written is not None:
+        yield from ((o, written) for o in outs)
+    elif bsym.sym.name in _VIEW_NAMES or _same_dtype_cast(bsym):
+        args = _tensors(bsym.flat_args)
+        if args:
+            yield from ((o, args[0]) for o in outs)
+
+
+def _same_dtype_cast(bsym: BoundSymbol) -> bool:
+    """A conversion that may return its input itself (``x.to(x.dtype)``)."""
+    if bsym.sym.name not in ("convert_element_type", "to"):
+        return False
+    a, out = bsym.args[0], bsym.output
+    return isinstance(a, TensorProxy) and isinstance(out, TensorProxy) and a.dtype == out.dtype
+
+
+@dataclass(frozen=True)
+class StaleRead:
+    """A read of ``tensor`` by ``reader`` after ``writer`` wrote into its storage."""
+
+    reader: BoundSymbol
+    tensor: TensorProxy
+    writer: BoundSymbol
+
+
+class Writes:
+    """The writes into existing storage of one trace, and the positions of its bound symbols."""
+
+    def __init__(self, trace: TraceCtx) -> None:
+        self.bound_symbols = list(trace.bound_symbols)
+        self._position = {id(b): i for i, b in enumerate(self.bound_symbols)}
+        self._defined: dict[str, int] = {}
+        self._parent: dict[str, str] = {}
+        for i, bsym in enumerate(self.bound_symbols):
+            for out in _tensors(bsym.flat_outs):
+                self._defined.setdefault(out.name, i)
+            for out, arg in _aliased_pairs(bsym):
+                self._union(out.name, arg.name)
+        self._writes: dict[str, list[int]] = {}
+        for i, bsym in enumerate(self.bound_symbols):
+            if (target := written_tensor(bsym)) is not None:
+                self._writes.setdefault(self._root(target.name), []).append(i)
+
+    def _root(self, name: str) -> str:
+        while (parent := self._parent.get(name, name)) != name:
+            self._parent[name] = self._parent.get(parent, parent)
+            name = parent
+        return name
+
+    def _union(self, a: str, b: str) -> None:
+        ra, rb = self._root(a), self._root(b)
+        if ra != rb:
+            self._parent[ra] = rb
+
+    def position(self, bsym: BoundSymbol) -> int:
+        """The index of ``bsym`` in the trace."""
+        return self._position[id(bsym)]
+
+    def _write_positions(self, p: TensorProxy) -> list[int]:
+        return self._writes.get(self._root(p.name), [])
+
+    def unchanged(self, p: Any, a: int, b: int) -> bool:
+        """Whether ``p``'s storage holds the same values at positions ``a`` and ``b`` (in either
+        order): no bound symbol strictly between them writes into it."""
+        lo, hi = min(a, b), max(a, b)
+        return not any(lo < k < hi for k in self._write_positions(p))
+
+    def ever_written(self, p: Any) -> bool:
+        """Whether any bound symbol writes into ``p``'s storage."""
+        return bool(self._write_positions(p))
+
+    def reaches(self, p: Any, at: int, readers: Iterable[BoundSymbol]) -> bool:
+        """Whether the values ``p`` holds at position ``at`` are still its values where each of
+        ``readers`` stands: the check for a pass that lets ``p`` serve readers of another proxy."""
+        return all(self.unchanged(p, at, self.position(r)) for r in readers)
+
+    def moved_reads_unchanged(
+        self, originals: Iterable[BoundSymbol], replacement: BoundSymbol, at: int
+    ) -> bool:
+        """Whether ``replacement``, put at position ``at`` in place of ``originals``, reads every
+        tensor with the values the originals read it with."""
+        originals = list(originals)
+        return all(
+            self.unchanged(p, self.position(b), at)
+            for p in _tensors(replacement.flat_args)
+            for b in originals
+            if any(a is p for a in b.flat_args)
+        )
+
+    def origin(self, p: TensorProxy) -> BoundSymbol | None:
+        """The bound symbol that made ``p``'s storage (None for a trace input)."""
+        root = self._root(p.name)
+        made = [i for name, i in self._defined.items() if self._root(name) == root]
+        return self.bound_symbols[min(made)] if made else None
+
+    def stale_reads(self) -> Iterator[StaleRead]:
+        """Reads of a proxy after a later write into its storage: the reader sees values the proxy
+        did not hold when it was made."""
+        for j, bsym in enumerate(self.bound_symbols):
+            if bsym.sym.name in _NOT_VALUE_READS:
+                continue
+            for p in _tensors(bsym.flat_args):
+                made = self._defined.get(p.name, -1)
+                later = [k for k in self._write_positions(p) if made < k < j]
+                if later:
+                    yield StaleRead(bsym, p, self.bound_symbols[later[0]])
+
+
+def _where(bsym: BoundSymbol) -> str:
+    """``bsym``'s name and, when Thunder recorded it, the source line it was traced from."""
+    if bsym.source_filename and bsym.source_positions is not None and bsym.source_positions.lineno:
+        return f"{bsym.sym.name} at {bsym.source_filename}:{bsym.source_positions.lineno}"
+    return bsym.sym.name
+
+
+_STALE_READ = (
+    "te_v2: {tensor} is needed by {reader} but was modified by an in-place operation ({writer}) "
+    "before it is read. Thunder would silently compute with the modified values; eager PyTorch "
+    "raises 'one of the variables needed for gradient computation has been modified by an "
+    "inplace operation' where autograd saved the tensor itself. Clone the tensor before writing "
+    "into it (`h = h.clone()`) or use the out-of-place op (`h = h * 2` instead of `h.mul_(2)`)."
+)
+
+
+def describe(writes: Writes, stale: StaleRead) -> str:
+    """The error a stale read gets: the tensor (where its storage was made), its reader and the
+    write in between, and how to avoid it."""
+    t = stale.tensor
+    origin = writes.origin(t)
+    made = "an input of the compiled function" if origin is None else f"made by {_where(origin)}"
+    tensor = f"tensor {t.name} ({dtypes.to_torch_dtype(t.dtype)}{list(t.shape)}, {made})"
+    return _STALE_READ.format(tensor=tensor, reader=_where(stale.reader), writer=_where(stale.writer))
+
+
+def check_no_new_stale_reads(before: TraceCtx, after: TraceCtx) -> None:
+    """Raise if ``after``, made from ``before`` by te_v2's passes, reads a tensor after a write
+    into it that ``before`` did not: a pass moved a read past a write, a te_v2 bug."""
+    known = {s.tensor.name for s in Writes(before).stale_reads()}
+    writes = Writes(after)
+    for stale in writes.stale_reads():
+        if stale.tensor.name not in known:
+            raise RuntimeError(
+                f"te_v2 internal error, please report: a pass moved a read past a write. {describe(writes, stale)}"
+            )

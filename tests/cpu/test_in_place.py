@@ -1,0 +1,77 @@
+"""In-place writes against te_v2's passes: no fold moves a read past a write, a backward that
+reads a tensor written after it was saved raises as eager's does, and an output written in place
+still carries the forward flush."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import thunder
+import torch
+from torch import nn
+
+from te_v2_executor import ClaimPolicy, TEv2FallbackWarning, explain, make_te_v2
+from te_v2_executor.symbols import UNQUANTIZED_FWD
+from tests.helpers import CLAIM_ALL, assert_like_eager, bsyms_of, forward_trace
+from tests.models import SavedThenWritten, WriteAfterAdapter, WriteIntoInputBeforeAdapter
+
+# The default policy runs these 64- and 16-feature linears unquantized, in float32: te_v2 must
+# compute what eager computes, up to the summation order of a GEMM that accumulates.
+TOLS = {"rtol": 1e-5, "atol": 1e-5}
+
+
+@pytest.mark.parametrize("grad", [True, False], ids=["train", "no_grad"])
+@pytest.mark.parametrize("model", [WriteAfterAdapter, WriteIntoInputBeforeAdapter], ids=lambda m: m.__name__)
+def test_no_fold_moves_a_gemm_past_an_in_place_write(model, grad):
+    assert_like_eager(model(), torch.randn(32, 64), [make_te_v2(backend="reference")], grad=grad, **TOLS)
+
+
+def test_the_fold_away_from_the_write_is_still_made():
+    """Of B's and base's GEMMs, base's can take the sum without crossing the write: it does."""
+    jitted = thunder.jit(WriteAfterAdapter(), executors=[make_te_v2(backend="reference")])
+    jitted(torch.randn(32, 64))
+    accumulating = [b for b in bsyms_of(forward_trace(jitted), UNQUANTIZED_FWD) if b.args[3] is not None]
+    assert [b.kwargs["site"].split("(")[0] for b in accumulating] == ["t_base_weight"]
+
+
+@pytest.mark.parametrize("claim", [ClaimPolicy(), ClaimPolicy(unquantized=False)], ids=["te_v2", "thunder"])
+def test_a_backward_reading_a_tensor_written_after_it_was_saved_raises_as_eager_does(claim):
+    model, x = SavedThenWritten(), torch.randn(32, 64)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        model(x).sum().backward()
+    jitted = thunder.jit(model, executors=[make_te_v2(backend="reference", claim=claim)])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", TEv2FallbackWarning)
+        y = jitted(x)
+    torch.testing.assert_close(y, model(x), **TOLS)  # the forward runs, as eager's does
+    model.zero_grad(set_to_none=True)
+    with pytest.raises(
+        RuntimeError, match=r"te_v2: tensor t\d+ .* modified by an in-place operation \(copy_ at"
+    ):
+        y.sum().backward()
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_an_fp8_linear_saves_its_own_copy_so_a_later_write_is_harmless():
+    """In FP8, b's wgrad reads the transposed FP8 copy its forward saved, not h: nothing to refuse."""
+    model, x = SavedThenWritten(), torch.randn(32, 64)
+    jitted = thunder.jit(model, executors=[make_te_v2(backend="reference", claim=CLAIM_ALL)])
+    jitted(x).sum().backward()
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def test_an_input_written_in_place_and_returned_carries_the_forward_flush():
+    linear = nn.Linear(64, 64)
+
+    def write_into(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        out.copy_(linear(x))
+        return out
+
+    jitted = thunder.jit(write_into, executors=[make_te_v2(backend="reference", claim=CLAIM_ALL)])
+    x, out = torch.randn(32, 64), torch.zeros(32, 64)
+    assert jitted(x, out) is out
+    torch.testing.assert_close(out, linear(x), rtol=0.2, atol=0.2)
+    (row,) = explain(jitted).linears
+    assert row.recipe == "delayed"
+    assert not torch.equal(row.state.scaling(forward=True).scale, torch.ones(2))  # flushed once

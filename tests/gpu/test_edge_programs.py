@@ -1,0 +1,61 @@
+"""Programs at the edges, on TransformerEngine: in-place writes around folded GEMMs, a backward
+that reads a tensor written after it was saved, batches of no tokens."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import thunder
+import torch
+
+from te_v2_executor import TEv2FallbackWarning, explain, make_te_v2
+from tests.gpu.common import DTYPE, jit_te_v2, requires_te_gpu, train_step
+from tests.helpers import assert_like_eager
+from tests.models import SavedThenWritten, Stack, WriteAfterAdapter, WriteIntoInputBeforeAdapter
+
+pytestmark = requires_te_gpu
+
+# The default policy runs these models' linears unquantized in BF16 (cuBLAS): eager's products,
+# up to the rounding of a GEMM that accumulates into its summand instead of a separate add.
+BF16_TOLS = {"rtol": 1.6e-2, "atol": 1e-2}
+
+
+@pytest.mark.parametrize("grad", [True, False], ids=["train", "no_grad"])
+@pytest.mark.parametrize("model", [WriteAfterAdapter, WriteIntoInputBeforeAdapter], ids=lambda m: m.__name__)
+def test_no_fold_moves_a_gemm_past_an_in_place_write(model, grad):
+    net = model(device="cuda", dtype=DTYPE)
+    x = torch.randn(128, 64, device="cuda", dtype=DTYPE)
+    assert_like_eager(net, x, [make_te_v2()], grad=grad, **BF16_TOLS)
+
+
+def test_a_backward_reading_a_tensor_written_after_it_was_saved_is_refused():
+    jitted = thunder.jit(SavedThenWritten(device="cuda", dtype=DTYPE), executors=[make_te_v2()])
+    with pytest.raises(RuntimeError, match="modified by an in-place operation"):
+        jitted(torch.randn(128, 64, device="cuda", dtype=DTYPE)).sum().backward()
+
+
+@pytest.mark.parametrize("grad", [True, False], ids=["train", "no_grad"])
+@pytest.mark.parametrize("recipe", ["DelayedScaling", "Float8CurrentScaling"])
+@pytest.mark.parametrize("shape", [(0, 256), (0, 4, 256), (4, 0, 256)], ids=str)
+def test_a_batch_of_no_tokens_runs_and_leaves_the_state_alone(shape, recipe, grad):
+    import transformer_engine.common.recipe as te_recipe
+
+    model = Stack([256] * 3, act=torch.nn.functional.gelu, bias=True, device="cuda", dtype=DTYPE)
+    jitted = jit_te_v2(model)
+    fp8 = getattr(te_recipe, recipe)()
+    train_step(jitted, torch.randn(128, 256, device="cuda", dtype=DTYPE), fp8)
+    states = [r.state for r in explain(jitted).linears]
+    before = [s.scaling(forward=True).scale.clone() for s in states if s.recipe.stateful]
+    model.zero_grad(set_to_none=True)
+    x = torch.randn(*shape, device="cuda", dtype=DTYPE, requires_grad=grad)
+    with warnings.catch_warnings(), torch.set_grad_enabled(grad):
+        warnings.simplefilter("error", TEv2FallbackWarning)
+        y = train_step(jitted, x, fp8)
+    assert y.shape == (*shape[:-1], 256)
+    assert {r.recipe for r in explain(jitted).linears} == {"unquantized"}
+    if grad:
+        assert x.grad.shape == x.shape
+        assert all(torch.equal(p.grad, torch.zeros_like(p)) for p in model.parameters())
+    after = [s.scaling(forward=True).scale for s in states if s.recipe.stateful]
+    assert all(torch.equal(b, a) for b, a in zip(before, after, strict=True))
