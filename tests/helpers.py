@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import io
+from collections.abc import Callable, Iterator
 
 import thunder
 import torch
@@ -118,3 +119,71 @@ def assert_like_eager(
         assert (g is None) == (grads[1][name] is None), name
         if g is not None:
             torch.testing.assert_close(g, grads[1][name], **tols)
+
+
+def train_steps(
+    fn: Callable,
+    opt: torch.optim.Optimizer,
+    xs: list[torch.Tensor],
+    autocast: Callable = contextlib.nullcontext,
+) -> list[torch.Tensor]:
+    """One ``opt`` step per input on ``mean(fn(x)**2)``, the forward under ``autocast()``; the
+    losses."""
+    losses = []
+    for x in xs:
+        opt.zero_grad()
+        with autocast():
+            loss = fn(x).float().square().mean()
+        loss.backward()
+        opt.step()
+        losses.append(loss.detach())
+    return losses
+
+
+def assert_state_dicts_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    """Two quantization state dicts hold the same names and bitwise equal tensors."""
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+
+def assert_resume_continues_bitwise(
+    resumable: Callable[[int], tuple[torch.nn.Module, torch.optim.Optimizer]],
+    compile_fn: Callable[[torch.nn.Module], Callable],
+    xs: list[torch.Tensor],
+    autocast: Callable = contextlib.nullcontext,
+) -> dict[str, torch.Tensor]:
+    """Train over ``xs``; or over half, checkpoint the model, the optimizer and the quantization
+    state through ``torch.save``, load them into a fresh model and optimizer (``resumable(seed)``)
+    compiled anew, the quantization state before its first call, and train over the other half:
+    the losses, the weights and every quantization state end bitwise equal. Returns the
+    checkpoint's quantization state."""
+    from te_v2_executor import load_quantization_state_dict, quantization_state_dict
+
+    half = len(xs) // 2
+    model, opt = resumable(0)
+    jitted = compile_fn(model)
+    losses = train_steps(jitted, opt, xs, autocast)
+
+    first, first_opt = resumable(0)
+    first_jitted = compile_fn(first)
+    losses_before = train_steps(first_jitted, first_opt, xs[:half], autocast)
+    saved = quantization_state_dict(first_jitted)
+    buffer = io.BytesIO()
+    torch.save({"model": first.state_dict(), "opt": first_opt.state_dict(), "quant": saved}, buffer)
+    buffer.seek(0)
+    checkpoint = torch.load(buffer)
+
+    resumed, resumed_opt = resumable(1)
+    resumed.load_state_dict(checkpoint["model"])
+    resumed_opt.load_state_dict(checkpoint["opt"])
+    resumed_jitted = compile_fn(resumed)
+    load_quantization_state_dict(resumed_jitted, checkpoint["quant"])
+    assert_state_dicts_equal(quantization_state_dict(resumed_jitted), saved)
+    losses_after = train_steps(resumed_jitted, resumed_opt, xs[half:], autocast)
+
+    assert torch.equal(torch.stack(losses), torch.stack(losses_before + losses_after))
+    for (name, p), q in zip(model.named_parameters(), resumed.parameters(), strict=True):
+        assert torch.equal(p, q), name
+    assert_state_dicts_equal(quantization_state_dict(resumed_jitted), quantization_state_dict(jitted))
+    return saved

@@ -199,3 +199,16 @@ class SavedThenWritten(nn.Module):
         y = self.b(h)
         h.mul_(2)
         return y + h
+
+
+class GraphBroken(nn.Module):
+    """Two stacks with a Dynamo graph break between them: thunderfx compiles two regions."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.first, self.second = Stack([dim] * 3), Stack([dim] * 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.first(x)
+        torch._dynamo.graph_break()
+        return self.second(torch.relu(x))

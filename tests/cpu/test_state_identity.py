@@ -4,7 +4,6 @@ lowering fixes: a float64 GELU's gradient, two te_v2 executors in one list (refe
 from __future__ import annotations
 
 import contextlib
-import io
 import re
 
 import pytest
@@ -25,8 +24,16 @@ from te_v2_executor import (
 from te_v2_executor.explain import _compiled_functions
 from te_v2_executor.state import registry_for
 from te_v2_executor.symbols import GELU_BACKWARD, LINEAR_FWD
-from tests.helpers import CLAIM_ALL, backward_trace, bsyms_of, forward_trace
-from tests.models import Checkpointed, SharedWeight, Stack
+from tests.helpers import (
+    CLAIM_ALL,
+    assert_resume_continues_bitwise,
+    assert_state_dicts_equal,
+    backward_trace,
+    bsyms_of,
+    forward_trace,
+    train_steps,
+)
+from tests.models import Checkpointed, GraphBroken, SharedWeight, Stack
 
 DIM, TOKENS = 64, 32
 RECIPE = delayed_scaling(amax_history_len=16)
@@ -47,17 +54,9 @@ def _forward_scales(fn) -> dict:
     return {key: s.scaling(forward=True).scale.clone() for key, s in _states(fn).items()}
 
 
-def _steps(fn, model, xs, opt=None) -> list[torch.Tensor]:
+def _steps(fn, model, xs) -> list[torch.Tensor]:
     """One SGD step per input; the losses."""
-    opt = opt or torch.optim.SGD(model.parameters(), lr=0.1)
-    losses = []
-    for x in xs:
-        opt.zero_grad()
-        loss = fn(x).float().square().mean()
-        loss.backward()
-        opt.step()
-        losses.append(loss.detach())
-    return losses
+    return train_steps(fn, torch.optim.SGD(model.parameters(), lr=0.1), xs)
 
 
 def _inputs(n: int, tokens: int = TOKENS) -> list[torch.Tensor]:
@@ -248,43 +247,12 @@ def _resumable(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
 
 
-def _assert_state_dicts_equal(a: dict, b: dict) -> None:
-    assert a.keys() == b.keys()
-    for name in a:
-        assert torch.equal(a[name], b[name]), name
-
-
 def test_a_run_resumed_from_a_checkpoint_continues_bitwise():
-    """10 steps, or 5 steps, a checkpoint (model, optimizer, quantization state through
-    torch.save), a fresh model and optimizer loaded from it and compiled anew, 5 more steps."""
-    xs = _inputs(10)
-    model, opt = _resumable(0)
-    jitted = _jit(model)
-    losses = _steps(jitted, model, xs, opt)
-
-    first, first_opt = _resumable(0)
-    first_jitted = _jit(first)
-    losses_before = _steps(first_jitted, first, xs[:5], first_opt)
-    saved = quantization_state_dict(first_jitted)
+    """10 steps, or 5 steps, a checkpoint, a fresh model and optimizer loaded from it and compiled
+    anew, 5 more steps (``assert_resume_continues_bitwise``)."""
+    saved = assert_resume_continues_bitwise(_resumable, _jit, _inputs(10))
     assert len(saved) == 3 * 4  # 3 linears: forward and backward histories and scales
     assert all(type(t) is torch.Tensor and not t.requires_grad for t in saved.values())
-    buffer = io.BytesIO()
-    torch.save({"model": first.state_dict(), "opt": first_opt.state_dict(), "quant": saved}, buffer)
-    buffer.seek(0)
-    checkpoint = torch.load(buffer)
-
-    resumed, resumed_opt = _resumable(1)
-    resumed.load_state_dict(checkpoint["model"])
-    resumed_opt.load_state_dict(checkpoint["opt"])
-    resumed_jitted = _jit(resumed)
-    load_quantization_state_dict(resumed_jitted, checkpoint["quant"])  # before its first call
-    _assert_state_dicts_equal(quantization_state_dict(resumed_jitted), saved)
-    losses_after = _steps(resumed_jitted, resumed, xs[5:], resumed_opt)
-
-    assert torch.equal(torch.stack(losses), torch.stack(losses_before + losses_after))
-    for (name, p), q in zip(model.named_parameters(), resumed.parameters(), strict=True):
-        assert torch.equal(p, q), name
-    _assert_state_dicts_equal(quantization_state_dict(resumed_jitted), quantization_state_dict(jitted))
 
 
 def _trained(recipe=RECIPE):
@@ -301,7 +269,7 @@ def test_loading_refuses_names_no_linear_has():
     with pytest.raises(ValueError, match=r"no delayed-scaling linear .*'other_weight\.0\.forward\.scale'"):
         load_quantization_state_dict(jitted, extra)
     load_quantization_state_dict(jitted, extra, strict=False)
-    _assert_state_dicts_equal(quantization_state_dict(jitted), saved)
+    assert_state_dicts_equal(quantization_state_dict(jitted), saved)
 
     fresh = _jit(Stack([DIM] * 3))
     with pytest.raises(ValueError, match=re.escape("'linears_0_weight.0.forward'")):  # not a tensor's name
@@ -339,20 +307,7 @@ def test_states_of_two_delayed_recipes_are_named_with_their_recipe(monkeypatch):
     load_quantization_state_dict(fresh, saved, strict=False)
     tag = "linears_0_weight.0.delayed(amax_history_len=8)"
     expected = {name.replace(f"{tag}.", "linears_0_weight.0."): t for name, t in saved.items() if tag in name}
-    _assert_state_dicts_equal(quantization_state_dict(fresh), expected)
-
-
-class GraphBroken(torch.nn.Module):
-    """Two stacks with a Dynamo graph break between them: thunderfx compiles two regions."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.first, self.second = Stack([DIM] * 3), Stack([DIM] * 3)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.first(x)
-        torch._dynamo.graph_break()
-        return self.second(torch.relu(x))
+    assert_state_dicts_equal(quantization_state_dict(fresh), expected)
 
 
 def test_thunderfx_state_dict_covers_every_region_and_loads_after_a_first_forward():
@@ -363,24 +318,24 @@ def test_thunderfx_state_dict_covers_every_region_and_loads_after_a_first_forwar
     executors = [make_te_v2(backend="reference", claim=CLAIM_ALL, recipe=RECIPE)]
     torch._dynamo.reset()
     torch.manual_seed(0)
-    model = GraphBroken()
+    model = GraphBroken(DIM)
     compiled = thunderfx(model, executors=executors)
     _steps(compiled, model, _inputs(2))
     saved = quantization_state_dict(compiled)
     assert len(saved) == 4 * 4  # 4 linears in 2 regions
 
     torch.manual_seed(0)
-    twin = GraphBroken()
+    twin = GraphBroken(DIM)
     twin.load_state_dict(model.state_dict())
     compiled_twin = thunderfx(twin, executors=executors)
     with pytest.raises(ValueError, match=r"compiled no region yet.*call it once first"):
         load_quantization_state_dict(compiled_twin, saved)
     compiled_twin(torch.randn(TOKENS, DIM))  # a forward alone, with grad enabled
     load_quantization_state_dict(compiled_twin, saved)
-    _assert_state_dicts_equal(quantization_state_dict(compiled_twin), saved)
+    assert_state_dicts_equal(quantization_state_dict(compiled_twin), saved)
     x = _inputs(1)
     assert torch.equal(_steps(compiled, model, x)[0], _steps(compiled_twin, twin, x)[0])
-    _assert_state_dicts_equal(quantization_state_dict(compiled_twin), quantization_state_dict(compiled))
+    assert_state_dicts_equal(quantization_state_dict(compiled_twin), quantization_state_dict(compiled))
 
 
 def test_a_thunderfx_region_compiled_anew_takes_the_old_state_from_a_state_dict():
@@ -389,7 +344,7 @@ def test_a_thunderfx_region_compiled_anew_takes_the_old_state_from_a_state_dict(
     from thunder.dynamo import thunderfx
 
     torch._dynamo.reset()
-    model = GraphBroken()
+    model = GraphBroken(DIM)
     compiled = thunderfx(model, executors=[make_te_v2(backend="reference", claim=CLAIM_ALL, recipe=RECIPE)])
     _steps(compiled, model, _inputs(2))
     saved = quantization_state_dict(compiled)
@@ -399,7 +354,7 @@ def test_a_thunderfx_region_compiled_anew_takes_the_old_state_from_a_state_dict(
     assert any(not torch.equal(t, saved[name]) for name, t in regions[2].state_dict().items())
     load_quantization_state_dict(compiled, saved)
     for region in regions:
-        _assert_state_dicts_equal(region.state_dict(), {name: saved[name] for name in region.state_dict()})
+        assert_state_dicts_equal(region.state_dict(), {name: saved[name] for name in region.state_dict()})
 
 
 # ---- C: a float64 GELU's gradient ------------------------------------------------------------

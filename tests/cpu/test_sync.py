@@ -15,7 +15,7 @@ from torch.utils.checkpoint import checkpoint
 from te_v2_executor import delayed_scaling, explain, make_te_v2, quantization_update_scope
 from te_v2_executor.symbols import BACKWARD_SYNC, FORWARD_SYNC, LINEAR_FWD
 from tests.helpers import CLAIM_ALL, backward_trace, bsyms_of, forward_trace
-from tests.models import Stack
+from tests.models import GraphBroken, Stack
 
 DIM, TOKENS = 64, 32
 RECIPE = delayed_scaling(amax_history_len=16)
@@ -167,19 +167,6 @@ def test_nested_scopes_flush_at_the_outermost_exit():
     assert _nonzero_rows(_history(state, forward=True)) == [15]
 
 
-class GraphBroken(torch.nn.Module):
-    """Two stacks with a Dynamo graph break between them: thunderfx compiles two regions."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.first, self.second = Stack([DIM] * 3), Stack([DIM] * 3)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.first(x)
-        torch._dynamo.graph_break()
-        return self.second(torch.relu(x))
-
-
 @pytest.mark.parametrize("scoped", [False, True], ids=["per-region", "scope"])
 def test_thunderfx_regions_flush_once_per_step_inside_an_update_scope(monkeypatch, scoped):
     """Each thunderfx region is a compiled function with its own flushes; wrapping the step in
@@ -190,7 +177,7 @@ def test_thunderfx_regions_flush_once_per_step_inside_an_update_scope(monkeypatc
 
     torch._dynamo.reset()
     compiled = thunderfx(
-        GraphBroken(), executors=[make_te_v2(backend="reference", claim=CLAIM_ALL, recipe=RECIPE)]
+        GraphBroken(DIM), executors=[make_te_v2(backend="reference", claim=CLAIM_ALL, recipe=RECIPE)]
     )
     updates = []
     real_update = state.update_delayed_scaling

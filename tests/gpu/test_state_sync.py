@@ -22,7 +22,7 @@ from tests.gpu.common import (
     te_v2_states,
     torch_linear,
 )
-from tests.helpers import bsyms_of, forward_trace
+from tests.helpers import bsyms_of, forward_trace, train_steps
 from tests.models import Stack, copy_weights
 
 pytestmark = requires_te_gpu
@@ -60,15 +60,7 @@ def _train(fn, model, xs, recipe):
     import transformer_engine.pytorch as te
 
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    losses = []
-    for x in xs:
-        opt.zero_grad()
-        with te.autocast(enabled=True, recipe=recipe):
-            loss = fn(x).float().square().mean()
-        loss.backward()
-        opt.step()
-        losses.append(loss.detach())
-    return torch.stack(losses)
+    return torch.stack(train_steps(fn, opt, xs, autocast=lambda: te.autocast(enabled=True, recipe=recipe)))
 
 
 def _te_states(model) -> list:
