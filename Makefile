@@ -4,7 +4,7 @@
 VENV ?= .venv
 PY ?= $(VENV)/bin/python
 
-.PHONY: help install test test-gpu test-distributed explain bench bench-ddp lint format
+.PHONY: help install test test-gpu test-distributed fuzz explain bench bench-ddp lint format
 
 help:
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -22,6 +22,9 @@ test-gpu: ## the GPU suite (needs CUDA and TransformerEngine); prints kernel cou
 
 test-distributed: ## the 2-GPU suite: torchrun, DDP / FSDP / torch DDP, amax all-reduce and GEMM counts (needs 2 GPUs with TE)
 	$(PY) -m pytest -q -rA -s -m distributed tests/distributed
+
+fuzz: ## differential fuzzing for 10 minutes: random programs through te_v2 vs eager and its kernels' eager emulation; prints each failure as a shrunk standalone script
+	$(PY) -m tests.fuzz --seconds 600
 
 explain: ## the main job: compile a small frozen-base model, print per linear what runs and what is saved
 	$(PY) -m te_v2_executor

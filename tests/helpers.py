@@ -5,11 +5,14 @@ from __future__ import annotations
 import contextlib
 import io
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import thunder
 import torch
 
 from te_v2_executor import ClaimPolicy, reference
+from te_v2_executor.backends import Backend
+from te_v2_executor.checks import LinearOperands, capability_rule_broken, policy_rule_broken
 from te_v2_executor.recipes import RecipeSpec
 
 # The tests' small models sit below the default claim policy's threshold; tests of what te_v2
@@ -40,11 +43,32 @@ def sqnr_db(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return float("inf") if noise == 0 else float(20 * torch.log10(expected.norm() / noise))
 
 
+def route(
+    x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, recipe: RecipeSpec, claim: ClaimPolicy
+) -> str:
+    """How te_v2 runs ``F.linear(x, w, bias)``: "fp8", "unquantized" or "fallback"."""
+    op = LinearOperands(
+        x_shape=tuple(x.shape),
+        w_shape=tuple(w.shape),
+        bias_shape=None if bias is None else tuple(bias.shape),
+        dtypes=(x.dtype, w.dtype) + (() if bias is None else (bias.dtype,)),
+        device_type=x.device.type,
+        compute_capability=None,
+    )
+    if capability_rule_broken(op, recipe, Backend.REFERENCE):
+        return "fallback"
+    if policy_rule_broken(op, claim):
+        return "unquantized"
+    return "fp8"
+
+
 class _EmulatedLinear(torch.autograd.Function):
-    """One te_v2 linear in eager mode, on the reference kernels, with fresh scaling state."""
+    """One linear te_v2 runs in FP8, eagerly on the reference kernels, with fresh scaling state."""
 
     @staticmethod
-    def forward(ctx, x, w, bias, recipe):
+    def forward(
+        ctx: Any, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, recipe: RecipeSpec
+    ) -> torch.Tensor:
         scaling = reference.ScalingState(recipe, forward=True, device=x.device)
         y, x_saved, w_saved = reference.linear_fwd(
             x, w, bias, scaling, compute_output=True, save_input=True, save_weight=True
@@ -53,33 +77,43 @@ class _EmulatedLinear(torch.autograd.Function):
         ctx.recipe, ctx.has_bias, ctx.x_shape, ctx.dtypes = (
             recipe,
             bias is not None,
-            x.shape,
+            tuple(x.shape),
             (x.dtype, w.dtype),
         )
-        return y
+        # A copy: y may be a view of the GEMM's result, which autograd would not let the program
+        # write into in place (the values are the same).
+        return y.clone()
 
     @staticmethod
-    def backward(ctx, dy):
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x_saved, w_saved = ctx.saved_tensors
         scaling = reference.ScalingState(ctx.recipe, forward=False, device=dy.device)
         dy_q, dbias = reference.quantize_grad_output(
             dy, scaling, rowwise=True, columnwise=True, bgrad=ctx.has_bias
         )
-        dx = reference.linear_dgrad(
-            dy_q, w_saved, ctx.recipe, input_shape=tuple(ctx.x_shape), dtype=ctx.dtypes[0]
-        )
+        dx = reference.linear_dgrad(dy_q, w_saved, ctx.recipe, input_shape=ctx.x_shape, dtype=ctx.dtypes[0])
         dw = reference.linear_wgrad(dy_q, x_saved, ctx.recipe, dtype=ctx.dtypes[1])
         return dx, dw, dbias, None
 
 
 @contextlib.contextmanager
-def eager_emulation(recipe: RecipeSpec) -> Iterator[None]:
-    """Run every ``F.linear`` (so every ``nn.Linear``) eagerly through the reference kernels:
-    what te_v2's first step must compute, without Thunder."""
+def eager_emulation(recipe: RecipeSpec, *, claim: ClaimPolicy = CLAIM_ALL) -> Iterator[list[str]]:
+    """Run every ``F.linear`` (so every ``nn.Linear``) eagerly as te_v2 would, without Thunder:
+    the linears it claims for FP8 through the reference kernels (fresh scaling state: what
+    te_v2's first step computes), the others as plain ``F.linear``. Yields the routes taken
+    ("fp8", "unquantized", "fallback"), appended call by call."""
     original = torch.nn.functional.linear
-    torch.nn.functional.linear = lambda x, w, bias=None: _EmulatedLinear.apply(x, w, bias, recipe)
+    routes: list[str] = []
+
+    def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        routes.append(route(x, w, bias, recipe, claim))
+        if routes[-1] == "fp8":
+            return _EmulatedLinear.apply(x, w, bias, recipe)
+        return original(x, w, bias)
+
+    torch.nn.functional.linear = linear
     try:
-        yield
+        yield routes
     finally:
         torch.nn.functional.linear = original
 
