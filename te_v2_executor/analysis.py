@@ -115,7 +115,7 @@ def _forward_token(trace: TraceCtx, returned: dict, key: str) -> TensorProxy:
     flat_args = {a.name for a in returned["flat_args"] if isinstance(a, TensorProxy)}
     producers = utils.producers(trace)
     computed = [o for o in outputs if o.name not in flat_args]
-    written = [o for o in outputs if o in producers]
+    written = [o for o in outputs if o.name in flat_args and o in producers]
     token = next(iter(computed + written), None)
     if token is None:
         raise NotImplementedError(
