@@ -126,10 +126,9 @@ def kernel_names(step: Callable[[], None]) -> list[str]:
     return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
 
 
-def kernels_per_step(step: Callable[[], None]) -> tuple[int, int]:
-    """(GEMM kernels, all kernels) one step launches."""
-    names = kernel_names(step)
-    return sum(bool(GEMM_KERNEL.search(n)) for n in names), len(names)
+def gemm_count(names: list[str]) -> int:
+    """How many of the kernels ``names`` are GEMMs (cuBLAS, cuBLASLt's nvjet, CUTLASS)."""
+    return sum(bool(GEMM_KERNEL.search(n)) for n in names)
 
 
 def measure(
@@ -138,12 +137,12 @@ def measure(
     baseline = torch.cuda.memory_allocated()
     times = sorted(step_times_ms(step, warmup=warmup, steps=steps))
     median = statistics.median(times)
-    gemms, kernels = kernels_per_step(step)
+    names = kernel_names(step)
     return {
         "step_ms": median,
         "step_ms_p10_p90": [times[len(times) // 10], times[-1 - len(times) // 10]],
         "peak_mib_above_model": peak_memory_above(step, model, baseline) / 2**20,
-        "gemm_kernels": gemms,
-        "kernels": kernels,
+        "gemm_kernels": gemm_count(names),
+        "kernels": len(names),
         "tflops": flops / (median * 1e-3) / 1e12,
     }

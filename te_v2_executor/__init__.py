@@ -11,8 +11,8 @@ from te_v2_executor.backends import Backend
 from te_v2_executor.config import ClaimPolicy, TEv2Config
 from te_v2_executor.cuda_graphs import TEv2CUDAGraphTransform
 from te_v2_executor.executor import TEv2Executor, TEv2FallbackWarning, make_te_v2, te_v2
-from te_v2_executor.explain import LinearReport, Report, explain
 from te_v2_executor.recipes import RecipeSpec, Scaling, block_scaling, current_scaling, delayed_scaling
+from te_v2_executor.report import LinearReport, Report, explain
 from te_v2_executor.state import (
     LinearQuantState,
     StateKey,

@@ -1,17 +1,21 @@
-"""Pure predicates: can te_v2 run this linear, and if not, which rule says no.
+"""Can te_v2 run this linear, and if not, which rule says no: decided once per linear.
 
-Each check returns the empty string when the linear passes, or the rule it breaks, phrased so a
+Each rule returns the empty string when the linear passes, or the rule it breaks, phrased so a
 fallback warning or the explain report can quote it. Capability rules say what te_v2 cannot run
-(a user should hear about those); the claim policy says what it chooses not to run. Nothing here
-reads global state or warns.
+(a user should hear about those); the claim policy says what it chooses not to run. ``decide``
+applies them and remembers the ``Decision``, which the checker, the grad transform, the fallback
+warnings and the report all read. Nothing here reads global state or warns.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
 import torch
+from thunder.core import dtypes
+from thunder.core.proxies import TensorProxy
 
 from te_v2_executor.backends import Backend
 from te_v2_executor.config import ClaimPolicy
@@ -51,6 +55,22 @@ class LinearOperands:
         dtype = str(self.dtypes[0]).removeprefix("torch.")
         bias = "" if self.bias_shape is None else " with bias"
         return f"x{list(self.x_shape)} @ W{list(self.w_shape)}^T{bias} ({dtype}, {self.device_type})"
+
+
+def operands(x: TensorProxy, w: TensorProxy, bias: TensorProxy | None) -> LinearOperands:
+    """The facts of a traced linear the checks need."""
+    device = x.device.devicetype.name.lower()
+    capability = None
+    if device == "cuda" and torch.cuda.is_available():
+        capability = torch.cuda.get_device_capability(x.device.index or 0)
+    return LinearOperands(
+        x_shape=tuple(x.shape),
+        w_shape=tuple(w.shape),
+        bias_shape=None if bias is None else tuple(bias.shape),
+        dtypes=tuple(dtypes.to_torch_dtype(t.dtype) for t in (x, w, bias) if t is not None),
+        device_type=device,
+        compute_capability=capability,
+    )
 
 
 def _check_device(op: LinearOperands, backend: Backend) -> str:
@@ -112,3 +132,28 @@ def capability_rule_broken(op: LinearOperands, recipe: RecipeSpec, backend: Back
         if reason:
             return reason
     return ""
+
+
+@dataclass(frozen=True)
+class Decision:
+    """How te_v2 runs one linear: ``rule`` is "" for FP8, else the rule that keeps it out of FP8;
+    ``by_policy`` says that rule is the claim policy's choice (the linear may run unquantized)
+    rather than something te_v2 cannot run (it falls back to Thunder's default path)."""
+
+    operands: LinearOperands
+    rule: str
+    by_policy: bool
+
+    @property
+    def fp8(self) -> bool:
+        return not self.rule
+
+
+@functools.lru_cache(maxsize=4096)
+def decide(op: LinearOperands, recipe: RecipeSpec, backend: Backend, policy: ClaimPolicy) -> Decision:
+    """The decision for ``op``: the capability rules first, then the claim policy."""
+    rule = capability_rule_broken(op, recipe, backend)
+    if rule:
+        return Decision(op, rule, by_policy=False)
+    rule = policy_rule_broken(op, policy)
+    return Decision(op, rule, by_policy=bool(rule))

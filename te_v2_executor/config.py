@@ -1,4 +1,4 @@
-"""The settings of a te_v2 executor: frozen values, no behaviour."""
+"""The settings of a te_v2 executor: frozen values, checked when made, no behaviour."""
 
 from __future__ import annotations
 
@@ -11,6 +11,11 @@ from te_v2_executor.recipes import RecipeSpec
 # 16 to 256 on Llama-3-8B MLPs made the step faster in BF16 than in FP8, whose quantization
 # passes cost more than FP8 GEMMs save on so thin a matmul.
 DEFAULT_MIN_FEATURES = 512
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(f"te_v2: {message}")
 
 
 @dataclass(frozen=True)
@@ -38,6 +43,18 @@ class ClaimPolicy:
     unquantized: bool = True
     gelu: bool = True
 
+    def __post_init__(self) -> None:
+        _require(
+            isinstance(self.min_features, int)
+            and not isinstance(self.min_features, bool)
+            and self.min_features >= 0,
+            f"ClaimPolicy(min_features={self.min_features!r}) must be a whole number of features, "
+            f"0 or more (0 claims every linear TE can run; the default is {DEFAULT_MIN_FEATURES})",
+        )
+        for name in ("unquantized", "gelu"):
+            value = getattr(self, name)
+            _require(isinstance(value, bool), f"ClaimPolicy({name}={value!r}) must be True or False")
+
 
 @dataclass(frozen=True)
 class TEv2Config:
@@ -45,8 +62,34 @@ class TEv2Config:
 
     ``recipe``: None follows ``te.autocast`` (DelayedScaling outside it); a ``RecipeSpec`` pins
     every trace of this executor to that recipe.
+
+    ``skip_passes``: names of optional passes of ``te_v2_executor.passes.PIPELINE`` (the folds) not
+    to run, to tell whether one of them is behind a difference in numerics or speed; the
+    results stay correct without them, only slower.
     """
 
     backend: Backend = Backend.TE
     recipe: RecipeSpec | None = None
     claim: ClaimPolicy = field(default_factory=ClaimPolicy)
+    skip_passes: frozenset[str] = frozenset()
+
+    def __post_init__(self) -> None:
+        _require(
+            isinstance(self.backend, Backend),
+            f"TEv2Config(backend={self.backend!r}) must be a te_v2_executor.Backend "
+            "(make_te_v2(backend='te' or 'reference') converts a string)",
+        )
+        _require(
+            self.recipe is None or isinstance(self.recipe, RecipeSpec),
+            f"TEv2Config(recipe={self.recipe!r}) must be None (follow te.autocast) or a RecipeSpec "
+            "such as te_v2_executor.delayed_scaling(); a TransformerEngine recipe object is given "
+            "to te.autocast(recipe=...) instead",
+        )
+        _require(
+            isinstance(self.claim, ClaimPolicy),
+            f"TEv2Config(claim={self.claim!r}) must be a te_v2_executor.ClaimPolicy",
+        )
+        _require(
+            isinstance(self.skip_passes, frozenset) and all(isinstance(n, str) for n in self.skip_passes),
+            f"TEv2Config(skip_passes={self.skip_passes!r}) must be a frozenset of pass names",
+        )

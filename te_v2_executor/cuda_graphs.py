@@ -17,7 +17,7 @@ from __future__ import annotations
 from thunder.core.symbol import BoundSymbol
 from thunder.transforms.cudagraph import CUDAGraphTransform
 
-from te_v2_executor.symbols import BACKWARD_SYNC, FORWARD_SYNC
+from te_v2_executor.symbols import SYNC_SYMBOLS
 
 
 class TEv2CUDAGraphTransform(CUDAGraphTransform):
@@ -29,6 +29,6 @@ class TEv2CUDAGraphTransform(CUDAGraphTransform):
     """
 
     def can_fuse(self, bsym: BoundSymbol) -> bool:
-        if bsym.sym is FORWARD_SYNC or bsym.sym is BACKWARD_SYNC:
+        if bsym.sym in SYNC_SYMBOLS:
             return False
         return super().can_fuse(bsym)

@@ -14,8 +14,6 @@ from typing import Any
 
 import torch
 
-from te_v2_executor import backends
-
 
 class Scaling(enum.Enum):
     """How scaling factors are chosen."""
@@ -62,11 +60,6 @@ class RecipeSpec:
 
     def fp8_max(self, *, forward: bool) -> float:
         return _FP8_MAX[self.fp8_dtype(forward=forward)]
-
-    @property
-    def signature(self) -> str:
-        """A string equal for equal specs: what compiled traces are specialised on."""
-        return repr(self)
 
 
 def delayed_scaling(**fields: Any) -> RecipeSpec:
@@ -132,15 +125,3 @@ def from_te(te_recipe: Any) -> RecipeSpec:
             unsupported=f"{type(te_recipe).__name__} is not supported by te_v2", te_recipe=te_recipe
         )
     return replace(spec, unsupported=_unsupported(te_recipe))
-
-
-def active_recipe(configured: RecipeSpec | None) -> RecipeSpec:
-    """The recipe a linear traced now uses.
-
-    An executor configured with a recipe always uses it; otherwise the recipe of the enclosing
-    ``te.autocast`` when FP8 is enabled there, otherwise DelayedScaling with TE's defaults.
-    """
-    if configured is not None:
-        return configured
-    te_recipe = backends.autocast_recipe()
-    return DEFAULT_RECIPE if te_recipe is None else from_te(te_recipe)

@@ -20,15 +20,16 @@ import collections
 import contextlib
 import dataclasses
 import functools
-import weakref
 from collections.abc import Iterable, Iterator
-from types import ModuleType
 from typing import Any, NamedTuple
 
 import thunder
 import torch
 
-from te_v2_executor.backends import Backend, kernels
+from te_v2_executor import autocast, backends
+from te_v2_executor.backends import Backend
+from te_v2_executor.backends.common import KernelBackend
+from te_v2_executor.compiled import PerFunction, compiled_functions
 from te_v2_executor.recipes import RecipeSpec
 
 
@@ -64,7 +65,7 @@ class LinearQuantState:
 
     ``name``: the weight's proxy, or for a state of the registry the trace input the weight derives
     from. ``key`` is None for the provisional state the lowering gives a linear when it is traced;
-    ``bind_states`` (lowering.py) swaps it for the registry's state of its key.
+    the ``states`` pass (``passes/states.py``) swaps it for the registry's state of its key.
     """
 
     def __init__(self, name: str, recipe: RecipeSpec, backend: Backend, key: StateKey | None = None) -> None:
@@ -82,8 +83,9 @@ class LinearQuantState:
         return f"LinearQuantState({site}, {self.recipe.scaling.value}, {self.backend.value})"
 
     @functools.cached_property
-    def kernels(self) -> ModuleType:
-        return kernels(self.backend)
+    def numerics(self) -> KernelBackend:
+        """The backend module the te_v2 symbols of this linear call (one cached lookup)."""
+        return backends.load(self.backend)
 
     def forward_scaling(self, device: torch.device) -> Any:
         if self._forward is None:
@@ -97,7 +99,7 @@ class LinearQuantState:
 
     def _new_scaling(self, *, forward: bool, device: torch.device) -> Any:
         """A backend scaling state of one direction, holding the tensors loaded for it."""
-        scaling = self.kernels.ScalingState(self.recipe, forward=forward, device=device)
+        scaling = self.numerics.ScalingState(self.recipe, forward=forward, device=device)
         for name, value in self._loaded.pop(forward, {}).items():
             getattr(scaling, name).copy_(value)
         return scaling
@@ -180,7 +182,7 @@ class SyncGroup:
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             raise RuntimeError(_CAPTURE_REFUSED)
         if self.forward:
-            group = self.states[0].kernels.amax_group()
+            group = autocast.amax_group(self.states[0].backend)
             for s in self.states:
                 s.amax_group = group
         if _deferred.depth:
@@ -208,7 +210,7 @@ def update_delayed_scaling(states: Iterable[LinearQuantState], *, forward: bool)
         and torch.distributed.get_world_size(group) > 1
     ):
         torch.distributed.all_reduce(amax, op=torch.distributed.ReduceOp.MAX, group=group)
-    first.kernels.update_delayed_scaling(amax, histories, scales, first.recipe, forward=forward)
+    first.numerics.update_delayed_scaling(amax, histories, scales, first.recipe, forward=forward)
 
 
 class _Deferred:
@@ -251,18 +253,13 @@ def quantization_update_scope() -> Iterator[None]:
 
 
 class StateRegistry:
-    """The linear states of one compiled function, and the explain report of each of its traces
-    (keyed by what te_v2 runs in it, so a cache hit on an older trace finds that trace's report)."""
+    """The linear states of one compiled function, by key, and a state dict loaded before they
+    exist."""
 
     def __init__(self) -> None:
         self._states: dict[StateKey, LinearQuantState] = {}
         self._held: dict[str, torch.Tensor] = {}  # loaded before any state existed
         self._held_strict = True
-        self.reports: dict[Any, Any] = {}
-        self.latest_report: Any = None
-
-    def record(self, key: Any, report: Any) -> None:
-        self.reports[key] = self.latest_report = report
 
     @property
     def states(self) -> dict[StateKey, LinearQuantState]:
@@ -327,7 +324,7 @@ class StateRegistry:
         self._held_strict = strict
 
     def take_held(self) -> None:
-        """Load the held state dict into the states made so far (``bind_states`` calls it after
+        """Load the held state dict into the states made so far (the ``states`` pass calls it after
         binding a trace); in strict mode an entry no state takes is an error."""
         if not self._held:
             return
@@ -339,18 +336,8 @@ class StateRegistry:
             s.load(*_split(name)[1:], held[name])
 
 
-_registries: weakref.WeakKeyDictionary[Any, StateRegistry] = weakref.WeakKeyDictionary()
-_unowned = StateRegistry()
-
-
-def registry_for(compile_data: Any) -> StateRegistry:
-    """The registry of a Thunder compile data (one per ``thunder.jit`` callable)."""
-    if compile_data is None:
-        return _unowned
-    found = _registries.get(compile_data)
-    if found is None:
-        found = _registries[compile_data] = StateRegistry()
-    return found
+registry_for = PerFunction(StateRegistry)
+"""The registry of a Thunder compile data (one per ``thunder.jit`` callable)."""
 
 
 def _recipe_tag(recipe: RecipeSpec) -> str:
@@ -389,9 +376,7 @@ def _refuse_unknown(unknown: Iterable[str], named: dict[str, LinearQuantState]) 
 
 def _registries_of(fn: Any) -> list[StateRegistry]:
     """The registries of a ``thunder.jit`` callable, or of each region of a ``thunderfx`` one."""
-    from te_v2_executor.explain import _compiled_functions  # explain imports this module
-
-    compile_datas = [thunder.compile_data(f) for f in _compiled_functions(fn)]
+    compile_datas = [thunder.compile_data(f) for f in compiled_functions(fn)]
     if None in compile_datas:
         raise TypeError(f"te_v2: {fn!r} is neither a thunder.jit callable nor a thunderfx object")
     return [registry_for(cd) for cd in compile_datas]

@@ -1,24 +1,31 @@
-"""The te_v2 trace symbols: meta, implementation and registration, side by side.
+"""The te_v2 trace symbols: meta, implementation and registration, side by side; then the
+symbol groups and argument accessors the passes and the report read them by.
 
 They live on a private operator executor that is never listed in ``executors=``; Thunder runs any
 symbol whose executor is set, so they execute wherever the te_v2 transforms put them. Metas say
 what the runtime values are: the saved FP8 copies are float8 tensors of the flattened operand's
-shape. Implementations only forward to the kernels of the call site's backend.
+shape. Implementations only forward to the numerics of the call site's backend
+(``state.numerics``, a ``KernelBackend``).
 
-Every symbol takes ``state``, the ``LinearQuantState`` of its call site, which is how the analysis
-knows which forward, quantization and GEMMs belong to one linear.
+Every symbol takes ``state``, the ``LinearQuantState`` of its call site, which is how the passes
+know which forward, quantization and GEMMs belong to one linear.
 """
 
 from __future__ import annotations
 
+import inspect
 import math
+from typing import Any
 
+import thunder.torch as ltorch
 import torch
 from thunder.core import dtypes, prims, utils
 from thunder.core.proxies import AnyProxy, TensorProxy
+from thunder.core.symbol import BoundSymbol, BoundSymbolTag, Symbol
+from thunder.executors import torchex
 from thunder.extend import OperatorExecutor
 
-from te_v2_executor import unquantized
+from te_v2_executor.backends import unquantized
 from te_v2_executor.state import LinearQuantState, SyncGroup
 
 ops = OperatorExecutor("te_v2_ops")
@@ -40,7 +47,7 @@ def _flat_shape(t: TensorProxy) -> tuple[int, int]:
 # A recomputed forward (activation checkpointing) gets ``replay``: the forward scales snapshot
 # the forward sync took before updating them, and the row of this linear in it; it quantizes
 # exactly as the original forward did and records no amax.
-# ``gelu``: x is the input of an exact GELU whose output the linear reads (``analysis.fuse_gelus``).
+# ``gelu``: x is the input of an exact GELU whose output the linear reads (``passes/gelu.py``).
 
 
 def _linear_fwd_meta(
@@ -58,8 +65,8 @@ def _linear_fwd_impl(
     if replay is None:
         scaling = state.forward_scaling(x.device)
     else:
-        scaling = state.kernels.ScalingState.replaying(state.recipe, replay[replay_row])
-    y, x_saved, w_saved = state.kernels.linear_fwd(
+        scaling = state.numerics.ScalingState.replaying(state.recipe, replay[replay_row])
+    y, x_saved, w_saved = state.numerics.linear_fwd(
         x,
         w,
         bias,
@@ -77,7 +84,7 @@ LINEAR_FWD = ops.register_operator("te_v2_linear_fwd", meta=_linear_fwd_meta, fn
 
 # ---- backward: dy quantized once, shared by dgrad and wgrad; bias grad alongside ------------
 # ``gelu_input``: dy is the gradient of an exact GELU's output, and the GELU's input is given; the
-# gradient of that input is what gets quantized (``analysis.fuse_gelus``).
+# gradient of that input is what gets quantized (``passes/gelu.py``).
 
 
 def _quantize_grad_output_meta(dy, gelu_input=None, *, state, rowwise, columnwise, bgrad):
@@ -87,7 +94,7 @@ def _quantize_grad_output_meta(dy, gelu_input=None, *, state, rowwise, columnwis
 
 
 def _quantize_grad_output_impl(dy, gelu_input=None, *, state, rowwise, columnwise, bgrad):
-    return state.kernels.quantize_grad_output(
+    return state.numerics.quantize_grad_output(
         dy,
         state.backward_scaling(dy.device),
         rowwise=rowwise,
@@ -103,7 +110,7 @@ QUANTIZE_GRAD_OUTPUT = ops.register_operator(
 
 
 # ``accumulate_into``: a gradient of the same input that nothing else reads; the GEMM adds dx into
-# its buffer and returns it (the analysis's ``accumulate_sums``).
+# its buffer and returns it (``passes/sums.py``).
 
 
 def _linear_dgrad_meta(dy_q, w_saved, accumulate_into=None, *, state, input_shape, dtype):
@@ -111,7 +118,7 @@ def _linear_dgrad_meta(dy_q, w_saved, accumulate_into=None, *, state, input_shap
 
 
 def _linear_dgrad_impl(dy_q, w_saved, accumulate_into=None, *, state, input_shape, dtype):
-    return state.kernels.linear_dgrad(
+    return state.numerics.linear_dgrad(
         dy_q, w_saved, state.recipe, input_shape=input_shape, dtype=dtype, accumulate_into=accumulate_into
     )
 
@@ -124,16 +131,16 @@ def _linear_wgrad_meta(dy_q, x_saved, *, state, dtype):
 
 
 def _linear_wgrad_impl(dy_q, x_saved, *, state, dtype):
-    return state.kernels.linear_wgrad(dy_q, x_saved, state.recipe, dtype=dtype)
+    return state.numerics.linear_wgrad(dy_q, x_saved, state.recipe, dtype=dtype)
 
 
 LINEAR_WGRAD = ops.register_operator("te_v2_linear_wgrad", meta=_linear_wgrad_meta, fn=_linear_wgrad_impl)
 
 
-# ---- linears the claim policy keeps out of FP8, run unquantized (``unquantized.py``) ----------
+# ---- linears the claim policy keeps out of FP8, run unquantized (``backends/unquantized.py``) -
 # ``site`` names the call site, as ``state`` does for an FP8 linear: it ties the three symbols
 # of one linear together for ``explain``. ``accumulate_into`` as for ``te_v2_linear_dgrad``
-# (``analysis.accumulate_sums``); ``scale`` multiplies the product (``analysis.fold_scales``).
+# (``passes/sums.py``); ``scale`` multiplies the product (``passes/scales.py``).
 
 
 def _unquantized_fwd_meta(x, w, bias, accumulate_into=None, *, site, scale=1.0):
@@ -179,12 +186,7 @@ UNQUANTIZED_WGRAD = ops.register_operator(
 )
 
 
-# The te_v2 GEMMs that can add their product into an existing tensor, and the position of that
-# tensor (``accumulate_into``) among their arguments: the tensor they write into.
-ACCUMULATE_ARG = {LINEAR_DGRAD: 2, UNQUANTIZED_FWD: 3, UNQUANTIZED_DGRAD: 2}
-
-
-# ---- exact GELU, claimed so the analysis can fold it into the quantizations next to it --------
+# ---- exact GELU, claimed so a pass can fold it into the quantizations next to it -------------
 # Unfolded, PyTorch's own kernels run it (fp32 math, one rounding), as in eager mode.
 
 
@@ -245,7 +247,7 @@ BACKWARD_SYNC = ops.register_operator(
 
 
 # ---- a backward that reads a tensor after an in-place write into it: refused when it runs ----
-# (``analysis.refuse_stale_reads``), as eager autograd refuses it; the forward runs as usual.
+# (``passes/stale_reads.py``), as eager autograd refuses it; the forward runs as usual.
 
 
 def _refuse_backward_meta(*grads, message):
@@ -279,3 +281,81 @@ def _check_recipe_impl(guard, signature: str) -> None:
 CHECK_RECIPE = ops.register_operator(
     "te_v2_check_recipe", meta=_check_recipe_meta, fn=_check_recipe_impl, tags=(prims.OpTags.DONT_DCE,)
 )
+
+
+# ---- symbol groups --------------------------------------------------------------------------
+
+# The symbols of one FP8 linear, each carrying its ``state``, and of one unquantized linear, each
+# carrying its ``site``.
+LINEAR_SYMBOLS = (LINEAR_FWD, QUANTIZE_GRAD_OUTPUT, LINEAR_DGRAD, LINEAR_WGRAD)
+UNQUANTIZED_SYMBOLS = (UNQUANTIZED_FWD, UNQUANTIZED_DGRAD, UNQUANTIZED_WGRAD)
+SYNC_SYMBOLS = (FORWARD_SYNC, BACKWARD_SYNC)
+
+# Thunder reaches a linear as ltorch.linear (nn.Linear, F.linear) or prims.linear (after
+# autocast and other decompositions); claiming only one lets the other bypass te_v2.
+LINEAR_IDS = (ltorch.linear.id, prims.linear.id)
+
+
+def is_thunder_linear(bsym: BoundSymbol) -> bool:
+    """A linear te_v2 did not claim: Thunder's own, or the torch executor's that runs it."""
+    return bsym.sym.id in LINEAR_IDS or bsym.sym is torchex.linear
+
+
+def is_recompute(bsym: BoundSymbol) -> bool:
+    """A forward copy Thunder placed in the backward to recompute a checkpointed region."""
+    return bsym.sym is LINEAR_FWD and BoundSymbolTag.BACKWARD in bsym.tags
+
+
+def is_forward_linear(bsym: BoundSymbol) -> bool:
+    """A linear's forward, in FP8, unquantized or left to Thunder, other than a checkpoint
+    recompute (which Thunder tags as backward)."""
+    linear = bsym.sym in (LINEAR_FWD, UNQUANTIZED_FWD) or is_thunder_linear(bsym)
+    return linear and BoundSymbolTag.BACKWARD not in bsym.tags
+
+
+# ---- argument accessors: a te_v2 bound symbol's arguments by their meta's parameter names -----
+
+_SIGNATURES: dict[Symbol, inspect.Signature] = {
+    sym: inspect.signature(sym.meta) for sym in (*LINEAR_SYMBOLS, *UNQUANTIZED_SYMBOLS)
+}
+
+
+def _positional(sym: Symbol) -> list[str]:
+    return [p.name for p in _SIGNATURES[sym].parameters.values() if p.kind is p.POSITIONAL_OR_KEYWORD]
+
+
+def arg(bsym: BoundSymbol, name: str) -> Any:
+    """The argument ``name`` of a te_v2 linear symbol's bound symbol, given by position or by
+    keyword; its default when not given (``accumulate_into`` is None, ``scale`` 1.0)."""
+    positional = _positional(bsym.sym)
+    if name in positional and (at := positional.index(name)) < len(bsym.args):
+        return bsym.args[at]
+    if name in bsym.kwargs:
+        return bsym.kwargs[name]
+    return _SIGNATURES[bsym.sym].parameters[name].default
+
+
+def with_args(bsym: BoundSymbol, /, **changes: Any) -> BoundSymbol:
+    """``bsym`` with the named arguments changed, each where the symbol takes it: a positional
+    one in its place (the optional ones before it given as None), the others as keywords.
+    ``output=`` gives the bound symbol a new output."""
+    extra = {"output": changes.pop("output")} if "output" in changes else {}
+    positional = _positional(bsym.sym)
+    args, kwargs = list(bsym.args), dict(bsym.kwargs)
+    for name, value in changes.items():
+        if name in positional:
+            at = positional.index(name)
+            args += [None] * (at + 1 - len(args))
+            args[at] = value
+        else:
+            kwargs[name] = value
+    return bsym.from_bsym(args=tuple(args), kwargs=kwargs, **extra)
+
+
+# The te_v2 GEMMs that can add their product into an existing tensor (``accumulate_into``, the
+# tensor they write into), and that argument's position.
+ACCUMULATE_ARG = {
+    sym: _positional(sym).index("accumulate_into")
+    for sym in (*LINEAR_SYMBOLS, *UNQUANTIZED_SYMBOLS)
+    if "accumulate_into" in _positional(sym)
+}

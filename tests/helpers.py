@@ -10,9 +10,9 @@ from typing import Any
 import thunder
 import torch
 
-from te_v2_executor import ClaimPolicy, reference
-from te_v2_executor.backends import Backend
-from te_v2_executor.checks import LinearOperands, capability_rule_broken, policy_rule_broken
+from te_v2_executor import ClaimPolicy
+from te_v2_executor.backends import Backend, reference
+from te_v2_executor.checks import LinearOperands, decide
 from te_v2_executor.recipes import RecipeSpec
 
 # The tests' small models sit below the default claim policy's threshold; tests of what te_v2
@@ -55,11 +55,10 @@ def route(
         device_type=x.device.type,
         compute_capability=None,
     )
-    if capability_rule_broken(op, recipe, Backend.REFERENCE):
-        return "fallback"
-    if policy_rule_broken(op, claim):
-        return "unquantized"
-    return "fp8"
+    decision = decide(op, recipe, Backend.REFERENCE, claim)
+    if decision.fp8:
+        return "fp8"
+    return "unquantized" if decision.by_policy else "fallback"
 
 
 class _EmulatedLinear(torch.autograd.Function):

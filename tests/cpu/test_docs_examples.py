@@ -30,7 +30,7 @@ import thunder
 import torch
 from thunder.dynamo import thunderfx
 
-from te_v2_executor import ClaimPolicy, TEv2FallbackWarning, backends, explain, make_te_v2
+from te_v2_executor import ClaimPolicy, TEv2FallbackWarning, backends, explain, make_te_v2, passes
 from te_v2_executor.__main__ import main as explain_cli
 from te_v2_executor.symbols import (
     BACKWARD_SYNC,
@@ -308,3 +308,11 @@ def test_thunderfx_regions_run_te_v2_and_the_claim_policy():
         f"l_self_modules_layers_modules_{i}_modules_base_parameters_weight_" for i in range(2)
     }
     assert all(r.unquantized.startswith("claim policy:") for r in rows if "lora" in r.name)
+
+
+def test_the_documented_pass_order_is_the_pipeline():
+    """architecture.md's pass table lists ``passes.PIPELINE``: every pass, in order, with what it
+    does and why it sits there."""
+    table = (DOCS / "architecture.md").read_text().split("<!-- pipeline -->\n", 1)[1].split("\n\n", 1)[0]
+    rows = [tuple(cell.strip() for cell in line.strip("|").split("|")) for line in table.splitlines()[2:]]
+    assert rows == [(f"`{p.name}`", p.does, p.why_here) for p in passes.PIPELINE]

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from te_v2_executor import ClaimPolicy, TEv2FallbackWarning, explain, make_te_v2
-from te_v2_executor.symbols import UNQUANTIZED_FWD
+from te_v2_executor.symbols import UNQUANTIZED_FWD, arg
 from tests.helpers import CLAIM_ALL, assert_like_eager, bsyms_of, forward_trace
 from tests.models import SavedThenWritten, WriteAfterAdapter, WriteIntoInputBeforeAdapter
 
@@ -31,7 +31,9 @@ def test_the_fold_away_from_the_write_is_still_made():
     """Of B's and base's GEMMs, base's can take the sum without crossing the write: it does."""
     jitted = thunder.jit(WriteAfterAdapter(), executors=[make_te_v2(backend="reference")])
     jitted(torch.randn(32, 64))
-    accumulating = [b for b in bsyms_of(forward_trace(jitted), UNQUANTIZED_FWD) if b.args[3] is not None]
+    accumulating = [
+        b for b in bsyms_of(forward_trace(jitted), UNQUANTIZED_FWD) if arg(b, "accumulate_into") is not None
+    ]
     assert [b.kwargs["site"].split("(")[0] for b in accumulating] == ["t_base_weight"]
 
 

@@ -21,7 +21,7 @@ from te_v2_executor import (
     quantization_state_dict,
     quantization_update_scope,
 )
-from te_v2_executor.explain import _compiled_functions
+from te_v2_executor.compiled import compiled_functions
 from te_v2_executor.state import registry_for
 from te_v2_executor.symbols import GELU_BACKWARD, LINEAR_FWD
 from tests.helpers import (
@@ -349,7 +349,7 @@ def test_a_thunderfx_region_compiled_anew_takes_the_old_state_from_a_state_dict(
     _steps(compiled, model, _inputs(2))
     saved = quantization_state_dict(compiled)
     compiled(torch.randn(3 * TOKENS // 2, DIM))  # Dynamo recompiles: 2 more regions
-    regions = [registry_for(thunder.compile_data(f)) for f in _compiled_functions(compiled)]
+    regions = [registry_for(thunder.compile_data(f)) for f in compiled_functions(compiled)]
     assert len(regions) == 4
     assert any(not torch.equal(t, saved[name]) for name, t in regions[2].state_dict().items())
     load_quantization_state_dict(compiled, saved)

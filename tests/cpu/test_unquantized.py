@@ -1,11 +1,11 @@
-"""The unquantized GEMMs (``unquantized.py``): products, scales and accumulation against float64."""
+"""The unquantized GEMMs (``backends/unquantized.py``): products, scales and accumulation against float64."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from te_v2_executor import unquantized
+from te_v2_executor.backends import unquantized
 
 
 def _close(actual: torch.Tensor, expected: torch.Tensor) -> None:

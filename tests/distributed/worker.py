@@ -33,8 +33,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from benchmarks.measure import gemm_count, kernel_names
 from te_v2_executor import delayed_scaling, explain, make_te_v2
-from tests.gpu.common import GEMM_KERNEL
 from tests.helpers import CLAIM_ALL
 from tests.models import LoRAStack, Stack
 
@@ -160,14 +160,15 @@ def wrap(wrapper: str, model: torch.nn.Module, run: Run) -> tuple[Callable, Any,
     return ddp, jitted, lambda: list(jitted.parameters())
 
 
-def gemm_kernels_per_step(fn: Callable, x: torch.Tensor, run: Run) -> int:
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+def distributed_step_gemms(fn: Callable, x: torch.Tensor, run: Run) -> int:
+    """GEMM kernels one distributed forward+backward step launches on this rank."""
+
+    def step() -> None:
         with run.fp8(distributed=True):
             loss = fn(x).float().square().mean()
         loss.backward()
-        torch.cuda.synchronize()
-    names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    return sum(bool(GEMM_KERNEL.search(n)) for n in names)
+
+    return gemm_count(kernel_names(step))
 
 
 def quant_state(module: Any) -> dict[str, Any]:
@@ -212,7 +213,7 @@ def scenario(name: str, run: Run, out: Path) -> None:
         result["report"] = [(r.name, r.claimed, r.dgrad, r.wgrad) for r in explain(module).linears]
         result["report_text"] = str(explain(module))
     if run.cuda:
-        result["gemm_kernels"] = gemm_kernels_per_step(fn, batches[0][mine], run)
+        result["gemm_kernels"] = distributed_step_gemms(fn, batches[0][mine], run)
     torch.save(result, out / f"{name}.rank{run.rank}.pt")
 
 

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import functools
-import re
 from collections.abc import Callable
 
 import pytest
 import thunder
 import torch
 
+from benchmarks.measure import gemm_count, kernel_names
 from te_v2_executor import backends, explain
 from tests.helpers import CLAIM_ALL
 
@@ -24,7 +24,6 @@ requires_te_gpu = [
 DTYPE = torch.bfloat16
 # TransformerEngine's own tolerances for FP8 (tests/pytorch/utils.py: dtype_tols).
 FP8_TOLS = {"rtol": 0.125, "atol": 0.0675}
-GEMM_KERNEL = re.compile(r"gemm|nvjet|xmma|cutlass", re.IGNORECASE)
 
 
 def te_linear(in_f: int, out_f: int, bias: bool, dtype: torch.dtype = DTYPE) -> torch.nn.Module:
@@ -63,21 +62,18 @@ def train_step(fn: Callable, x: torch.Tensor, recipe) -> torch.Tensor:
     return y
 
 
-def kernels_per_step(fn: Callable, x: torch.Tensor, recipe, *, warmup: int = 2) -> list[str]:
+def train_step_kernels(fn: Callable, x: torch.Tensor, recipe, *, warmup: int = 2) -> list[str]:
     """Names of the CUDA kernels one ``train_step`` launches (torch.profiler), after warm-up."""
     for _ in range(warmup):
         train_step(fn, x, recipe)
     torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        train_step(fn, x, recipe)
-        torch.cuda.synchronize()
-    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return kernel_names(lambda: train_step(fn, x, recipe))
 
 
-def gemm_kernels_per_step(fn: Callable, x: torch.Tensor, recipe) -> tuple[int, list[str]]:
+def train_step_gemms(fn: Callable, x: torch.Tensor, recipe) -> tuple[int, list[str]]:
     """GEMM kernels one forward+backward step launches, and all kernel names."""
-    names = kernels_per_step(fn, x, recipe)
-    return sum(bool(GEMM_KERNEL.search(n)) for n in names), names
+    names = train_step_kernels(fn, x, recipe)
+    return gemm_count(names), names
 
 
 @functools.cache

@@ -23,7 +23,7 @@ def _fold_every_gelu(monkeypatch, request):
     """The GPU tests' models are small; fold their GELUs anyway, so that the fused kernel is what
     their parity checks check (a test of the size rule itself opts out with ``real_fold_size``)."""
     if backends.te_available() and "real_fold_size" not in request.keywords:
-        from te_v2_executor import kernels
+        from te_v2_executor.backends import te as kernels
 
         monkeypatch.setattr(kernels, "GELU_FOLD_MIN_ELEMENTS", 0)
     yield

@@ -16,12 +16,12 @@ from te_v2_executor import TEv2CUDAGraphTransform, quantization_update_scope
 from tests.gpu.common import (
     DTYPE,
     delayed_recipe,
-    gemm_kernels_per_step,
     jit_te_v2,
     requires_te_gpu,
     te_v2_claiming_all,
     te_v2_states,
     torch_linear,
+    train_step_gemms,
 )
 from tests.helpers import forward_trace
 from tests.models import LoRAStack, Stack
@@ -92,7 +92,7 @@ def test_graphs_replay_exactly_what_the_trace_computes(scenario, fuser):
     assert transform.cuda_graph_runner.cuda_graph_cache, "no CUDA graph was captured"
     assert any(b.sym.name.startswith("CUDAGraph") for b in forward_trace(graphed).bound_symbols)
     x = xs[0]
-    assert gemm_kernels_per_step(graphed, x, recipe)[0] == gemm_kernels_per_step(plain, x, recipe)[0]
+    assert train_step_gemms(graphed, x, recipe)[0] == train_step_gemms(plain, x, recipe)[0]
 
 
 def test_update_scope_holds_back_the_updates_of_graphed_passes():

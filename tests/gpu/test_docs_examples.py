@@ -15,8 +15,7 @@ import thunder
 import torch
 
 from te_v2_executor import explain
-from te_v2_executor.analysis import is_recompute
-from te_v2_executor.symbols import BACKWARD_SYNC, FORWARD_SYNC, LINEAR_FWD, LINEAR_WGRAD
+from te_v2_executor.symbols import BACKWARD_SYNC, FORWARD_SYNC, LINEAR_FWD, LINEAR_WGRAD, is_recompute
 from tests.cpu.test_docs_examples import EXAMPLES, check_example
 from tests.gpu.common import requires_te_gpu
 from tests.helpers import backward_trace, bsyms_of, forward_trace

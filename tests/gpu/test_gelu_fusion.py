@@ -12,11 +12,11 @@ from tests.gpu.common import (
     DTYPE,
     FP8_TOLS,
     jit_te_v2,
-    kernels_per_step,
     requires_te_gpu,
     te_linear,
     torch_linear,
     train_step,
+    train_step_kernels,
 )
 from tests.helpers import bsyms_of, forward_trace
 from tests.models import Stack, copy_weights, grads
@@ -61,7 +61,7 @@ def _assert_same_fp8(ours: torch.Tensor, theirs: torch.Tensor, what: str):
 @pytest.mark.parametrize("fp8_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=str)
 @pytest.mark.parametrize("backward", [False, True], ids=["gelu", "gelu-backward"])
 def test_kernel_matches_pytorch_gelu_then_te_cast(backward, fp8_dtype, usage):
-    from te_v2_executor.gelu_quantize import gelu_cast_transpose
+    from te_v2_executor.backends.gelu_quantize import gelu_cast_transpose
 
     dtype = torch.bfloat16
     torch.manual_seed(0)
@@ -98,7 +98,7 @@ def test_kernel_matches_pytorch_gelu_then_te_cast(backward, fp8_dtype, usage):
 
 def test_nan_stays_nan_as_in_te_cast():
     """A NaN activation must stay NaN in FP8 (a clamp that drops NaN would hide a diverging run)."""
-    from te_v2_executor.gelu_quantize import gelu_cast_transpose
+    from te_v2_executor.backends.gelu_quantize import gelu_cast_transpose
 
     x = torch.randn(SHAPE, device="cuda", dtype=torch.bfloat16)
     x[3, 5] = float("nan")
@@ -115,7 +115,7 @@ def test_nan_stays_nan_as_in_te_cast():
 def test_the_kernel_refuses_float32():
     """Seen on an H200: float32 tiles stored both row-wise and transposed came out wrong (a
     quarter of the transposed codes), so the kernel takes bfloat16 only."""
-    from te_v2_executor.gelu_quantize import gelu_cast_transpose
+    from te_v2_executor.backends.gelu_quantize import gelu_cast_transpose
 
     x = torch.randn(SHAPE, device="cuda")
     one = torch.ones(1, device="cuda")
@@ -149,7 +149,7 @@ def test_a_float32_gelu_model_falls_back_to_pytorch_gelu_and_matches_te_linear()
     torch.testing.assert_close(x.grad, dx_te, **FP8_TOLS)
     for name, grad in grads(twin).items():
         torch.testing.assert_close(grad, grads(model)[name], **FP8_TOLS, msg=name)
-    names = kernels_per_step(jitted, x, DelayedScaling())
+    names = train_step_kernels(jitted, x, DelayedScaling())
     assert not any(FUSED_KERNEL in n for n in names)
 
 
@@ -159,7 +159,7 @@ def test_a_gelu_model_step_runs_the_fused_kernel_and_no_other_gelu():
 
     model = Stack([256] * 5, act=torch.nn.functional.gelu, factory=torch_linear)
     x = torch.randn(512, 256, device="cuda", dtype=DTYPE)
-    names = kernels_per_step(jit_te_v2(model), x, DelayedScaling())
+    names = train_step_kernels(jit_te_v2(model), x, DelayedScaling())
     assert sum(FUSED_KERNEL in n for n in names) == 2 * 3
     assert [n for n in names if "gelu" in n.lower() and FUSED_KERNEL not in n] == []
 
@@ -171,13 +171,13 @@ def test_only_gelus_large_enough_run_the_fused_kernel(tokens, width, folds):
     PyTorch's GELU kernels and TE's cast, whose launches cost the host less; 4096 x 16384 folds."""
     from transformer_engine.common.recipe import DelayedScaling
 
-    from te_v2_executor import kernels
+    from te_v2_executor.backends import te as kernels
 
     assert (tokens * width >= kernels.GELU_FOLD_MIN_ELEMENTS) is folds
     model = Stack([1024, width, 1024], act=torch.nn.functional.gelu, factory=torch_linear)
     x = torch.randn(tokens, 1024, device="cuda", dtype=DTYPE)
     jitted = jit_te_v2(model)
-    names = kernels_per_step(jitted, x, DelayedScaling())
+    names = train_step_kernels(jitted, x, DelayedScaling())
     assert [b.kwargs["gelu"] for b in bsyms_of(forward_trace(jitted), LINEAR_FWD)] == [False, True]
     assert sum(FUSED_KERNEL in n for n in names) == (2 if folds else 0)
     pytorch_gelus = [n for n in names if "gelu" in n.lower() and FUSED_KERNEL not in n]

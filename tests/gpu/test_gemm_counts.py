@@ -7,15 +7,15 @@ import thunder
 import torch
 from thunder.executors.torch_compile import torch_compile_ex
 
+from benchmarks.measure import GEMM_KERNEL
 from tests.gpu.common import (
     DTYPE,
-    GEMM_KERNEL,
     builtin_executors,
-    gemm_kernels_per_step,
     jit_te_v2,
     requires_te_gpu,
     te_linear,
     torch_linear,
+    train_step_gemms,
 )
 from tests.models import LoRAStack, Stack, copy_weights, every_even
 
@@ -45,9 +45,9 @@ def test_te_v2_runs_only_the_gemms_needed(case):
     builtin = thunder.jit(builtin_model, executors=[*executors, torch_compile_ex], transforms=transforms)
     x = torch.randn(TOKENS, DIM, device="cuda", dtype=DTYPE)
 
-    ours, names = gemm_kernels_per_step(jit_te_v2(model, torch_compile_ex), x, recipe)
-    eager, _ = gemm_kernels_per_step(te_model, x, recipe)
-    theirs, _ = gemm_kernels_per_step(builtin, x, recipe)
+    ours, names = train_step_gemms(jit_te_v2(model, torch_compile_ex), x, recipe)
+    eager, _ = train_step_gemms(te_model, x, recipe)
+    theirs, _ = train_step_gemms(builtin, x, recipe)
     print(
         f"\n[{case}] GEMM kernels per step: te_v2 {ours}, te.Linear eager {eager}, built-in TE executor {theirs}, needed {needed}"
     )
@@ -78,7 +78,7 @@ def test_default_policy_lora_leaves_torch_compile_nothing_to_run(scaling):
         model.zero_grad(set_to_none=True)  # no add from accumulating into .grad
         return jitted(x)
 
-    gemms, names = gemm_kernels_per_step(step, x, te_recipe.DelayedScaling())
+    gemms, names = train_step_gemms(step, x, te_recipe.DelayedScaling())
     print(f"\n[lora, default policy] GEMM kernels per step {gemms}, all kernels {len(names)}")
     assert gemms == needed, sorted(names)
     elementwise = [

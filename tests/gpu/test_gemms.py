@@ -20,7 +20,7 @@ SPEC = RecipeSpec()
 def operands():
     """x (M, K), W (N, K) and dy (M, N) quantized as te_v2's symbols quantize them: x and W
     row-wise for the forward and column-wise as saved for the backward, dy both ways."""
-    from te_v2_executor import kernels
+    from te_v2_executor.backends import te as kernels
 
     torch.manual_seed(0)
     x = torch.randn(M, K, device="cuda", dtype=DTYPE)
@@ -49,7 +49,7 @@ CASES = [
 def _general_gemm(a, b, layout, *, gemm, bias=None, out=None):
     from transformer_engine.pytorch.cpp_extensions import general_gemm
 
-    from te_v2_executor import kernels
+    from te_v2_executor.backends import te as kernels
 
     result, *_ = general_gemm(
         a,
@@ -68,7 +68,7 @@ def _general_gemm(a, b, layout, *, gemm, bias=None, out=None):
 @pytest.mark.parametrize("accumulate", [False, True], ids=["plain", "accumulate"])
 @pytest.mark.parametrize(("gemm", "a", "b", "layout", "shape"), CASES, ids=[c[0] for c in CASES])
 def test_direct_gemm_is_general_gemm_bitwise(operands, monkeypatch, gemm, a, b, layout, shape, accumulate):
-    from te_v2_executor import kernels
+    from te_v2_executor.backends import te as kernels
 
     start = torch.randn(shape, device="cuda", dtype=DTYPE) if accumulate else None
     expected = _general_gemm(
@@ -89,7 +89,7 @@ def test_direct_gemm_is_general_gemm_bitwise(operands, monkeypatch, gemm, a, b, 
 
 
 def test_direct_forward_gemm_adds_the_bias_as_general_gemm_does(operands):
-    from te_v2_executor import kernels
+    from te_v2_executor.backends import te as kernels
 
     bias = torch.randn(N, device="cuda", dtype=DTYPE)
     got = kernels._gemm(operands["w_row"], operands["x_row"], SPEC, gemm="fprop", dtype=DTYPE, bias=bias)
@@ -102,7 +102,7 @@ def test_direct_forward_gemm_adds_the_bias_as_general_gemm_does(operands):
 
 def test_other_operands_go_through_general_gemm(monkeypatch):
     """BF16 operands (what TE's wrapper would dequantize or dispatch) are general_gemm's."""
-    from te_v2_executor import kernels
+    from te_v2_executor.backends import te as kernels
 
     calls = []
     real = kernels.general_gemm
@@ -121,7 +121,7 @@ def test_other_operands_go_through_general_gemm(monkeypatch):
 
 def test_dgrad_accumulates_into_a_non_contiguous_buffer(operands):
     """A transposed summand is added into a contiguous copy, which is returned."""
-    from te_v2_executor import kernels
+    from te_v2_executor.backends import te as kernels
 
     summand = torch.randn(K, M, device="cuda", dtype=DTYPE).t()
     assert not summand.is_contiguous()

@@ -16,11 +16,11 @@ from tests.gpu.common import (
     FP8_TOLS,
     delayed_recipe,
     jit_te_v2,
-    kernels_per_step,
     requires_te_gpu,
     te_linear,
     te_v2_states,
     torch_linear,
+    train_step_kernels,
 )
 from tests.helpers import bsyms_of, forward_trace, train_steps
 from tests.models import Stack, copy_weights
@@ -141,7 +141,7 @@ def test_one_update_kernel_per_pass_whatever_the_number_of_linears(n):
     model = Stack([DIM] * (n + 1), factory=torch_linear)
     x = torch.randn(TOKENS, DIM, device="cuda", dtype=DTYPE, requires_grad=True)
     count = sum(
-        "amax_and_scale_update" in name for name in kernels_per_step(jit_te_v2(model), x, delayed_recipe())
+        "amax_and_scale_update" in name for name in train_step_kernels(jit_te_v2(model), x, delayed_recipe())
     )
     print(f"\n[{n} linears] amax/scale update kernels per step: te_v2 {count}")
     assert count == 2  # one for the forward flush, one for the backward flush

@@ -1,7 +1,10 @@
 """Which numerics run the te_v2 symbols, and lazy access to TransformerEngine.
 
-TransformerEngine's PyTorch extension needs CUDA to import, so nothing here imports it at module
-load: CPU machines (and CI) use the package with the reference backend only.
+Two modules implement the ``KernelBackend`` interface (``common.py``): ``te.py`` on
+TransformerEngine's kernels and ``reference.py`` in plain torch. TransformerEngine's PyTorch
+extension needs CUDA to import, so nothing here imports it at module load: CPU machines (and CI)
+use the package with the reference backend only. ``unquantized.py`` holds the GEMMs of the linears
+te_v2 runs without FP8, the same on every backend.
 """
 
 from __future__ import annotations
@@ -9,8 +12,10 @@ from __future__ import annotations
 import enum
 import functools
 import importlib
-from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from te_v2_executor.backends.common import KernelBackend
 
 
 class Backend(enum.Enum):
@@ -42,17 +47,11 @@ def te_available() -> bool:
 
 
 @functools.cache
-def kernels(backend: Backend) -> ModuleType:
-    """The module implementing ``backend``'s kernels (see ``kernels.py`` / ``reference.py``)."""
+def load(backend: Backend) -> KernelBackend:
+    """The module implementing ``backend``'s numerics (``te.py`` or ``reference.py``); a missing
+    TransformerEngine fails here, by name, with how to get it."""
     if backend is Backend.REFERENCE:
-        return importlib.import_module("te_v2_executor.reference")
+        return importlib.import_module("te_v2_executor.backends.reference")
     if not te_available():
         raise ImportError(f"te_v2 needs TransformerEngine ({te_import_error()}); {TE_MISSING_HINT}")
-    return importlib.import_module("te_v2_executor.kernels")
-
-
-def autocast_recipe() -> Any:
-    """The recipe object of the enclosing ``te.autocast`` if FP8 is enabled there, else None."""
-    if not te_available():
-        return None
-    return kernels(Backend.TE).autocast_recipe()
+    return importlib.import_module("te_v2_executor.backends.te")

@@ -1,9 +1,9 @@
 """The te_v2 kernels in plain torch: FP8 emulated through torch's float8 dtypes.
 
-Same functions and signatures as ``kernels.py`` (the TransformerEngine backend), on any device.
+A ``KernelBackend`` (``common.py``), as ``te.py`` is on TransformerEngine, on any device.
 Quantization follows TE's rules (per-tensor delayed or current scales, 1x128 / 128x128 blocks),
 and each GEMM reads only the copy it needs: the forward reads row-wise x and W, dgrad row-wise
-dy and the column-wise (transposed) W, wgrad the column-wise dy and x. A copy the analysis did
+dy and the column-wise (transposed) W, wgrad the column-wise dy and x. A copy the passes did
 not ask for is absent, so a missing one fails loudly here on the CPU instead of in a GPU kernel.
 """
 
@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from te_v2_executor.backends.common import as_matrix
 from te_v2_executor.recipes import RecipeSpec
-from te_v2_executor.unquantized import as_matrix
 
 BLOCK = 128
 _FP32_MAX = torch.finfo(torch.float32).max
@@ -67,10 +67,6 @@ class ReferenceQuantizedTensor(torch.Tensor):
     def keep_columnwise_only(self) -> ReferenceQuantizedTensor:
         self.rowwise = None
         return self
-
-    @property
-    def quantized_nbytes(self) -> int:
-        return sum(p.nbytes for p in (self.rowwise, self.columnwise) if p is not None)
 
 
 class ScalingState:
@@ -267,8 +263,3 @@ def update_delayed_scaling(
         scale.copy_(torch.where(torch.isinf(new_scale), torch.full_like(new_scale, _FP32_MAX), new_scale))
         history.copy_(torch.roll(history, -1, 0))
         history[0].zero_()
-
-
-def amax_group() -> None:
-    """The reference has no autocast: amax reductions use torch.distributed's default group."""
-    return None

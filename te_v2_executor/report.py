@@ -1,7 +1,8 @@
-"""The per-linear report: which gradients run and which FP8 copies the forward saves.
+"""The per-linear report: which gradients run and which FP8 copies the forward saves; the
+reports each compiled function keeps, and ``explain``, which finds the one of its last run.
 
-Built from the trace the analysis returns (the joint forward+backward trace before fusion), so
-it states what will execute, not what was intended.
+Built from the trace the passes return (the joint forward+backward trace before fusion), so it
+states what will execute, not what was intended.
 """
 
 from __future__ import annotations
@@ -12,28 +13,25 @@ from typing import Any
 import thunder
 from thunder.core import utils
 from thunder.core.proxies import TensorProxy
-from thunder.core.symbol import BoundSymbolTag
+from thunder.core.symbol import BoundSymbol, BoundSymbolTag
 from thunder.core.trace import TraceCtx
 
-from te_v2_executor import checks
-from te_v2_executor.analysis import is_recompute
-from te_v2_executor.config import ClaimPolicy
-from te_v2_executor.lowering import operands, source_input
-from te_v2_executor.state import LinearQuantState, registry_for
+from te_v2_executor.checks import Decision, operands
+from te_v2_executor.compiled import PerFunction, compiled_functions
+from te_v2_executor.passes import source_input
+from te_v2_executor.state import LinearQuantState
 from te_v2_executor.symbols import (
     LINEAR_DGRAD,
     LINEAR_FWD,
-    LINEAR_WGRAD,
+    LINEAR_SYMBOLS,
     QUANTIZE_GRAD_OUTPUT,
     UNQUANTIZED_DGRAD,
     UNQUANTIZED_FWD,
-    UNQUANTIZED_WGRAD,
+    UNQUANTIZED_SYMBOLS,
+    arg,
+    is_recompute,
+    is_thunder_linear,
 )
-
-# the symbols of one FP8 linear, each carrying its ``state``, and of one unquantized linear,
-# each carrying its ``site``
-LINEAR_SYMBOLS = (LINEAR_FWD, QUANTIZE_GRAD_OUTPUT, LINEAR_DGRAD, LINEAR_WGRAD)
-UNQUANTIZED_SYMBOLS = (UNQUANTIZED_FWD, UNQUANTIZED_DGRAD, UNQUANTIZED_WGRAD)
 
 
 @dataclass(frozen=True)
@@ -120,7 +118,7 @@ def _claimed_linears(trace: TraceCtx) -> dict[Any, dict[str, Any]]:
             if bsym.sym is UNQUANTIZED_FWD and BoundSymbolTag.BACKWARD in bsym.tags:
                 site["recomputed"] = True
             elif bsym.sym is UNQUANTIZED_FWD:
-                site.update(x=bsym.args[0], w=bsym.args[1])
+                site.update(x=arg(bsym, "x"), w=arg(bsym, "w"))
             else:
                 site["dgrad" if bsym.sym is UNQUANTIZED_DGRAD else "wgrad"] = True
             continue
@@ -132,10 +130,9 @@ def _claimed_linears(trace: TraceCtx) -> dict[Any, dict[str, Any]]:
             if is_recompute(bsym):
                 site["recomputed"] = True
             else:
-                x, w = bsym.args[:2]
                 site.update(
-                    x=x,
-                    w=w,
+                    x=arg(bsym, "x"),
+                    w=arg(bsym, "w"),
                     saves_input_t=bsym.kwargs["save_input"],
                     saves_weight_t=bsym.kwargs["save_weight"],
                 )
@@ -146,37 +143,44 @@ def _claimed_linears(trace: TraceCtx) -> dict[Any, dict[str, Any]]:
     return sites
 
 
-def report_from_trace(trace: TraceCtx, fallbacks: list[tuple[Any, str]], policy: ClaimPolicy) -> Report:
-    """The report of an analysed trace; ``fallbacks`` are (linear bound symbol, rule) pairs, and
-    ``policy`` the claim policy that kept the unquantized linears out of FP8."""
+def fallback_rule(decision: Decision) -> str:
+    """Why a linear te_v2 did not claim runs on Thunder's default path."""
+    return decision.rule or "another executor claimed it"
+
+
+def report_from_trace(trace: TraceCtx, decided: list[tuple[BoundSymbol, Decision]]) -> Report:
+    """The report of a trace the passes returned; ``decided`` pairs each forward linear of the
+    trace they were given that does not run in FP8 (left to Thunder, or run unquantized by te_v2)
+    with its decision."""
+    policy_rules = {b.kwargs["site"]: d.rule for b, d in decided if b.sym is UNQUANTIZED_FWD}
     rows = []
-    for site in _claimed_linears(trace).values():
+    for key, site in _claimed_linears(trace).items():
         x, w = site.pop("x"), site.pop("w")
-        op = operands(x, w, None)
         state = site.get("state")
         rows.append(
             LinearReport(
                 name=source_name(trace, w),
-                operation=op.describe(),
+                operation=operands(x, w, None).describe(),
                 recipe="unquantized" if state is None else state.recipe.scaling.value,
-                unquantized="" if state is not None else checks.policy_rule_broken(op, policy),
+                unquantized="" if state is not None else policy_rules[key],
                 **site,
             )
         )
-    for bsym, rule in fallbacks:
-        rows.append(
-            LinearReport(
-                name=source_name(trace, bsym.args[1]),
-                operation=operands(*bsym.args, **bsym.kwargs).describe(),
-                recipe="",
-                fallback=rule,
+    for bsym, decision in decided:
+        if is_thunder_linear(bsym):
+            rows.append(
+                LinearReport(
+                    name=source_name(trace, bsym.args[1]),
+                    operation=decision.operands.describe(),
+                    recipe="",
+                    fallback=fallback_rule(decision),
+                )
             )
-        )
     return Report(tuple(rows))
 
 
 def te_v2_signature(bound_symbols: list[Any]) -> frozenset:
-    """What te_v2 runs in a trace, the same for the joint trace the analysis returns and for the
+    """What te_v2 runs in a trace, the same for the joint trace the passes return and for the
     forward and backward traces Thunder splits it into: each te_v2 GEMM-side symbol, by linear
     and flags."""
     return frozenset(
@@ -205,26 +209,34 @@ def _last_run_signature(fn: Any) -> frozenset | None:
     return None
 
 
+class _Reports:
+    """The reports of one compiled function's traces, keyed by what te_v2 runs in each (so that
+    a cache hit on an older trace finds that trace's report), and the latest."""
+
+    def __init__(self) -> None:
+        self.by_signature: dict[frozenset, Report] = {}
+        self.latest: Report | None = None
+
+
+_reports = PerFunction(_Reports)
+
+
+def record(compile_data: Any, trace: TraceCtx, report: Report) -> None:
+    """Keep ``report``, of ``trace``, for ``explain`` of the function ``compile_data`` compiles."""
+    store = _reports(compile_data)
+    store.by_signature[te_v2_signature(trace.bound_symbols)] = store.latest = report
+
+
 def _report_of_last_run(fn: Any) -> Report | None:
-    registry = registry_for(thunder.compile_data(fn))
-    return registry.reports.get(_last_run_signature(fn), registry.latest_report)
-
-
-def _compiled_functions(fn: Any) -> list[Any]:
-    """``fn`` itself, or for a ``thunder.dynamo.thunderfx`` object the ``thunder.jit`` function of
-    each region it compiled, in the order Dynamo made them."""
-    from thunder.dynamo.compiler import ThunderFXCompiledObject
-
-    if not isinstance(fn, ThunderFXCompiledObject):
-        return [fn]
-    return [jitted for info in fn._backend.subgraph_infos for jitted in info.thunder_compiled_fns]
+    store = _reports(thunder.compile_data(fn))
+    return store.by_signature.get(_last_run_signature(fn), store.latest)
 
 
 def explain(fn: Any) -> Report:
     """The report of the trace a ``thunder.jit`` callable ran last (after a cache hit, that older
     trace's); for a ``thunderfx`` object, the rows of all its regions together (weights named as
     Dynamo names them)."""
-    reports = [_report_of_last_run(f) for f in _compiled_functions(fn)]
+    reports = [_report_of_last_run(f) for f in compiled_functions(fn)]
     reports = [r for r in reports if r is not None]
     if not reports:
         raise ValueError("te_v2: no trace analysed yet for this function; call it once first")

@@ -1,10 +1,11 @@
 """The te_v2 kernels on TransformerEngine: quantizers, FP8 GEMMs and the fused scale update.
 
-Same functions and signatures as ``reference.py``; TE calls only, no Thunder. Forward and
-backward are plain functions whose flags say which copy or GEMM to build, after TE's
-``BasicLinear._functional_forward``/``_functional_backward``, but with dgrad and wgrad separate.
+A ``KernelBackend`` (``common.py``), as ``reference.py`` is in plain torch; TE calls only, no
+Thunder. Forward and backward are plain functions whose flags say which copy or GEMM to build,
+after TE's ``BasicLinear._functional_forward``/``_functional_backward``, but with dgrad and wgrad
+separate.
 
-Hopper rule kept here, not in the analysis: per-tensor FP8 cannot quantize column-wise only
+Hopper rule kept here, not in the passes: per-tensor FP8 cannot quantize column-wise only
 ("Columnwise-only per-tensor FP8 quantization is not implemented"), and the fused bias-grad
 quantization needs both usages, so TE's casts always build the row-wise copy. te_v2's own
 GELU-and-cast kernel (``gelu_quantize.py``), used for delayed scaling, builds only what is asked.
@@ -23,14 +24,14 @@ from transformer_engine.pytorch.constants import TE_DType
 from transformer_engine.pytorch.cpp_extensions import general_gemm
 from transformer_engine.pytorch.cpp_extensions.gemm import get_cublas_workspace
 from transformer_engine.pytorch.module.base import _2X_ACC_DGRAD, _2X_ACC_FPROP, _2X_ACC_WGRAD
-from transformer_engine.pytorch.quantization import FP8GlobalStateManager, RecipeState, get_fp8_te_dtype
+from transformer_engine.pytorch.quantization import RecipeState, get_fp8_te_dtype
 from transformer_engine.pytorch.tensor.float8_tensor import Float8Quantizer, Float8Tensor
 from transformer_engine.pytorch.tensor.storage.float8_tensor_storage import Float8TensorStorage
 from transformer_engine.pytorch.utils import is_non_tn_fp8_gemm_supported
 
-from te_v2_executor.gelu_quantize import gelu_cast_transpose
+from te_v2_executor.backends.common import as_matrix
+from te_v2_executor.backends.gelu_quantize import gelu_cast_transpose
 from te_v2_executor.recipes import RecipeSpec, Scaling
-from te_v2_executor.unquantized import as_matrix
 
 _DEFAULT_SPLIT_ACCUMULATOR = {"fprop": _2X_ACC_FPROP, "dgrad": _2X_ACC_DGRAD, "wgrad": _2X_ACC_WGRAD}
 
@@ -372,15 +373,3 @@ def update_delayed_scaling(
         get_fp8_te_dtype(te_recipe(recipe), forward),
         recipe.margin,
     )
-
-
-def amax_group() -> Any:
-    """The amax reduction group given to the enclosing ``te.autocast`` (None: the default)."""
-    return FP8GlobalStateManager.get_fp8_group()
-
-
-def autocast_recipe() -> Any:
-    """The recipe of the enclosing ``te.autocast`` when FP8 is enabled there, else None."""
-    if FP8GlobalStateManager.is_fp8_enabled():
-        return FP8GlobalStateManager.get_fp8_recipe()
-    return None

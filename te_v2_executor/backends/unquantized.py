@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from te_v2_executor.backends.common import as_matrix
+
 
 def _product(
     a: torch.Tensor, b: torch.Tensor, accumulate_into: torch.Tensor | None, scale: float
@@ -27,12 +29,6 @@ def _product(
     if scale == 1:
         return torch.mm(a, b)
     return torch.addmm(a.new_empty(()), a, b, beta=0, alpha=scale)  # beta = 0: input unread
-
-
-def as_matrix(t: torch.Tensor) -> torch.Tensor:
-    """``t`` as the 2-D matrix a GEMM takes, its leading dimensions flattened; a 2-D tensor as it
-    is (a reshape costs host time on every call). Shared by every backend's GEMMs."""
-    return t if t.dim() == 2 else t.reshape(-1, t.shape[-1])
 
 
 def linear_fwd(

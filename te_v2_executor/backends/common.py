@@ -1,0 +1,106 @@
+"""What every numerics backend provides (``KernelBackend``), and what their GEMMs share.
+
+``te.py`` and ``reference.py`` are modules that satisfy ``KernelBackend``: the te_v2 symbols call
+them through ``LinearQuantState.numerics`` and nothing else, so one backend stands in for the
+other. A CPU test compares both modules' signatures with this interface.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+
+from te_v2_executor.recipes import RecipeSpec
+
+
+class ScalingState(Protocol):
+    """The quantization state of one direction of one linear: forward (x, W) or backward (dy).
+
+    Delayed scaling exposes ``amax_history`` (history_len, n) and ``scale`` (n,), the tensors the
+    flush updates in place; the stateless recipes have None.
+    """
+
+    recipe: RecipeSpec
+    amax_history: torch.Tensor | None
+    scale: torch.Tensor | None
+
+    def __init__(self, recipe: RecipeSpec, *, forward: bool, device: torch.device) -> None: ...
+
+    @classmethod
+    def replaying(cls, recipe: RecipeSpec, scale: torch.Tensor) -> ScalingState:
+        """A forward state quantizing with ``scale`` (input, weight) whose amaxes go nowhere: a
+        checkpoint recompute's, quantizing as the original forward did."""
+        ...
+
+
+class KernelBackend(Protocol):
+    """The numerics of the te_v2 FP8 symbols, as one module's functions."""
+
+    ScalingState: type[ScalingState]
+
+    def linear_fwd(
+        self,
+        x: torch.Tensor,
+        w: torch.Tensor,
+        bias: torch.Tensor | None,
+        scaling: Any,
+        *,
+        compute_output: bool,
+        save_input: bool,
+        save_weight: bool,
+        gelu: bool = False,
+    ) -> tuple[torch.Tensor | None, Any, Any]:
+        """y = x W^T + b and the column-wise FP8 copies of x and W the backward reads."""
+        ...
+
+    def quantize_grad_output(
+        self,
+        dy: torch.Tensor,
+        scaling: Any,
+        *,
+        rowwise: bool,
+        columnwise: bool,
+        bgrad: bool,
+        gelu_input: torch.Tensor | None = None,
+    ) -> tuple[Any, torch.Tensor | None]:
+        """dy quantized for dgrad (row-wise) and wgrad (column-wise), and the bias grad."""
+        ...
+
+    def linear_dgrad(
+        self,
+        dy_q: Any,
+        w_saved: Any,
+        recipe: RecipeSpec,
+        *,
+        input_shape: tuple[int, ...],
+        dtype: torch.dtype,
+        accumulate_into: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """dx = dy W, added into ``accumulate_into`` when given."""
+        ...
+
+    def linear_wgrad(
+        self, dy_q: Any, x_saved: Any, recipe: RecipeSpec, *, dtype: torch.dtype
+    ) -> torch.Tensor:
+        """dW = dy^T x."""
+        ...
+
+    def update_delayed_scaling(
+        self,
+        amax: torch.Tensor,
+        histories: list[torch.Tensor],
+        scales: list[torch.Tensor],
+        recipe: RecipeSpec,
+        *,
+        forward: bool,
+    ) -> None:
+        """The amax-history and scale update of every state of one flush, from their reduced
+        current amaxes concatenated in order."""
+        ...
+
+
+def as_matrix(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as the 2-D matrix a GEMM takes, its leading dimensions flattened; a 2-D tensor as it
+    is (a reshape costs host time on every call). Shared by every backend's GEMMs."""
+    return t if t.dim() == 2 else t.reshape(-1, t.shape[-1])

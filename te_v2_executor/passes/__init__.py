@@ -1,0 +1,155 @@
+"""te_v2's passes over the joint forward+backward trace, before fusion, in order: ``PIPELINE``.
+
+Thunder calls ``TEv2Executor.fusion_pass`` on the joint trace before it splits it: the one place
+the whole backward can be seen before any fusion. There ``run`` applies each pass in turn, trace
+in, trace out, symbols recognised by identity. Every pass that moves a read of a tensor (a fold)
+proves that no in-place write lies between the old and the new position (``_writes.Writes``);
+``run`` checks at the end that no pass made a read see a write it did not see before.
+
+Each ``Pass`` says why it sits where it does and what it needs of the trace it gets; the
+optional ones are the folds, which only make the step faster: ``TEv2Config.skip_passes`` (and
+the tests) switch them off by name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from thunder.core.trace import TraceCtx, TraceProvenance
+from thunder.extend import FusionExecutor
+
+from te_v2_executor.passes import casts, consumption, gelu, scales, stale_reads, states, sums, syncs
+from te_v2_executor.passes._trace import source_input
+from te_v2_executor.passes._writes import check_no_new_stale_reads
+from te_v2_executor.state import StateRegistry
+
+__all__ = ["OPTIONAL", "PIPELINE", "Context", "Pass", "check_skippable", "run", "source_input"]
+
+
+@dataclass(frozen=True)
+class Context:
+    """What the passes know of the compilation besides the trace."""
+
+    registry: StateRegistry  # the compiled function's quantization states
+    grad_enabled: bool  # grad mode when the function was traced
+    fusers: list[FusionExecutor]  # the fusion executors listed after te_v2
+
+
+@dataclass(frozen=True)
+class Pass:
+    """One pass of the pipeline: its name, what it does, why it sits where it does, and what it
+    needs of the trace it gets."""
+
+    name: str
+    run: Callable[[TraceCtx, Context], TraceCtx]
+    does: str
+    why_here: str
+    precondition: str
+    optional: bool = False  # a fold: without it the results hold, the step is slower
+
+
+PIPELINE: tuple[Pass, ...] = (
+    Pass(
+        "states",
+        lambda trace, context: states.bind_states(trace, context.registry),
+        "every te_v2 symbol gets its linear's state from the function's registry",
+        "first: every later pass, the report and the state dict see the registry's states",
+        "the linears' symbols carry the provisional states their transforms made",
+    ),
+    Pass(
+        "stale_reads",
+        lambda trace, context: stale_reads.refuse_stale_reads(trace),
+        "a backward that reads a tensor after an in-place write into it raises",
+        "before any pass moves a read: it judges the reads the user's program makes",
+        "the trace is Thunder's own, with its in-place writes functionalized into copies",
+    ),
+    Pass(
+        "consumption",
+        lambda trace, context: consumption.rewrite_for_consumption(trace),
+        "each forward and dy quantization builds only what its readers read",
+        "before the syncs and folds, whose decisions read what each forward produces",
+        "Thunder's dead-code elimination has removed every unconsumed gradient",
+    ),
+    Pass(
+        "syncs",
+        lambda trace, context: syncs.insert_syncs(trace, grad_enabled=context.grad_enabled),
+        "the flushes of delayed-scaling state are inserted",
+        "after consumption, before the folds, which keep the sync's token and markers in place",
+        "every te_v2 forward and dy quantization has its final outputs",
+    ),
+    Pass(
+        "merge_casts",
+        lambda trace, context: casts.merge_duplicate_casts_and_views(trace),
+        "one of identical casts and views is kept",
+        "before round trips and sums: duplicate casts hide sole readers",
+        "writes into existing storage are explicit (copy_, update_aliases), as Writes reads them",
+        optional=True,
+    ),
+    Pass(
+        "round_trips",
+        lambda trace, context: casts.drop_exact_round_trips(trace),
+        "exact round trips through a wider dtype are dropped",
+        "after merging: one cast back per widening is left to drop",
+        "writes into existing storage are explicit, as for merge_casts",
+        optional=True,
+    ),
+    Pass(
+        "scales",
+        lambda trace, context: scales.fold_scales(trace),
+        "constant factors fold into unquantized GEMMs as alpha",
+        "before sums: a scaled product then feeds its sum directly",
+        "casts merged, so that each product's scaling has one reader chain",
+        optional=True,
+    ),
+    Pass(
+        "sums",
+        lambda trace, context: sums.accumulate_sums(trace),
+        "a sum folds into the GEMM of one summand (beta = 1)",
+        "after merging and scales, which change who reads what",
+        "each summand's readers are final",
+        optional=True,
+    ),
+    Pass(
+        "gelus",
+        lambda trace, context: gelu.fuse_gelus(trace),
+        "exact GELUs fold into the FP8 quantizations next to them",
+        "after sums: a GELU's input or gradient may be a sum folded into a GEMM",
+        "the te_v2 forwards and dy quantizations read their final operands",
+        optional=True,
+    ),
+    Pass(
+        "gelu_handback",
+        lambda trace, context: gelu.unfolded_gelus_as_torch_ops(trace, context.fusers),
+        "unfolded GELUs go back to the fusers as torch ops",
+        "last: only the GELUs no fold took are left",
+        "every GELU fold has been made",
+        optional=True,
+    ),
+)
+
+OPTIONAL = tuple(p.name for p in PIPELINE if p.optional)
+
+
+def check_skippable(names: Iterable[str]) -> frozenset[str]:
+    """``names`` as a set of optional passes; raises naming any that is not one."""
+    names = frozenset(names)
+    if unknown := sorted(names - set(OPTIONAL)):
+        required = [p.name for p in PIPELINE if not p.optional]
+        raise ValueError(
+            f"te_v2: skip_passes={sorted(names)} names {', '.join(map(repr, unknown))}, which is no "
+            f"optional pass; the optional ones are {', '.join(OPTIONAL)} "
+            f"({', '.join(required)} are needed for correct results)"
+        )
+    return names
+
+
+def run(trace: TraceCtx, context: Context, *, skip: frozenset[str] = frozenset()) -> TraceCtx:
+    """``trace`` through every pass of ``PIPELINE`` not in ``skip``, in order."""
+    new_trace = trace
+    for p in PIPELINE:
+        if p.name not in skip:
+            new_trace = p.run(new_trace, context)
+    check_no_new_stale_reads(trace, new_trace)
+    new_trace.set_provenance(TraceProvenance("te_v2 backward-consumption analysis"))
+    return new_trace

@@ -1,0 +1,125 @@
+"""What the passes share: rebuilding a trace, folding bound symbols into one, and the shapes of
+the elementwise ops they recognise (casts, exact widenings, sole readers)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from thunder.core import dtypes, utils
+from thunder.core.proxies import TensorProxy
+from thunder.core.symbol import BoundSymbol
+from thunder.core.trace import TraceCtx, from_trace
+
+from te_v2_executor.passes._writes import Writes
+from te_v2_executor.symbols import ACCUMULATE_ARG, UNQUANTIZED_FWD, arg
+
+# A fold a pass may make: (the bound symbols it absorbs, the one that replaces the last of them).
+Fold = tuple[tuple[BoundSymbol, ...], BoundSymbol]
+
+# (operand dtype, wider dtype) pairs whose round trip through the wider one is exact.
+_EXACT_WIDENING = {
+    (torch.bfloat16, torch.float32),
+    (torch.float16, torch.float32),
+    (torch.bfloat16, torch.float64),
+    (torch.float16, torch.float64),
+    (torch.float32, torch.float64),
+}
+
+
+def with_bound_symbols(trace: TraceCtx, bsyms: list[BoundSymbol]) -> TraceCtx:
+    """A copy of ``trace`` (its signature, names and provenance) running ``bsyms`` instead."""
+    new_trace = from_trace(trace)
+    new_trace.bound_symbols = bsyms
+    return new_trace
+
+
+def replaced(trace: TraceCtx, swapped: dict[int, BoundSymbol], dropped: set[int]) -> TraceCtx:
+    """``trace`` with the bound symbols keyed (by id) in ``swapped`` replaced and those in
+    ``dropped`` removed; ``trace`` itself when nothing is swapped."""
+    if not swapped:
+        return trace
+    return with_bound_symbols(
+        trace, [swapped.get(id(b), b) for b in trace.bound_symbols if id(b) not in dropped]
+    )
+
+
+def fold(trace: TraceCtx, folds: Callable[[BoundSymbol, Any, Any], Iterator[Fold]]) -> TraceCtx:
+    """Apply ``folds(bsym, producers, consumers)`` to every bound symbol: of the folds it offers,
+    (other bound symbols, a replacement), the first whose replacement reads what they read, no
+    write in between (``Writes.moved_reads_unchanged``), is made: the replacement takes ``bsym``'s
+    place and the others, whose work it now does, are removed."""
+    producers, consumers = utils.producers(trace), utils.consumers(trace)
+    writes = Writes(trace)
+    dropped: set[int] = set()
+    swapped: dict[int, BoundSymbol] = {}
+    for bsym in trace.bound_symbols:
+        at = writes.position(bsym)
+        for absorbed, replacement in folds(bsym, producers, consumers):
+            if writes.moved_reads_unchanged([*absorbed, bsym], replacement, at):
+                swapped[id(bsym)] = replacement
+                dropped.update(map(id, absorbed))
+                break
+    return replaced(trace, swapped, dropped)
+
+
+def returned_grads(trace: TraceCtx) -> list[TensorProxy]:
+    """The gradients a joint trace returns (none for an inference trace)."""
+    ret = trace.bound_symbols[-1].args[0]
+    return [g for g in ret["output"] if isinstance(g, TensorProxy)] if "fw_flat_out" in ret else []
+
+
+def before_return(trace: TraceCtx, bsym: BoundSymbol) -> TraceCtx:
+    """``trace`` with ``bsym`` inserted just before its return."""
+    return with_bound_symbols(trace, [*trace.bound_symbols[:-1], bsym, trace.bound_symbols[-1]])
+
+
+def source_input(producers: dict, p: TensorProxy) -> TensorProxy:
+    """The trace input ``p`` derives from through single-input ops (casts, views, slices): what
+    names a weight, for its state and in the report."""
+    while p in producers and len(inputs := producers[p].flat_proxy_args) == 1:
+        p = inputs[0]
+    return p
+
+
+def read_only_by(p: Any, reader: BoundSymbol, consumers: Any) -> bool:
+    """Whether ``reader`` is the one bound symbol that reads ``p``."""
+    readers = consumers.get(p, [])
+    return len(readers) == 1 and readers[0] is reader
+
+
+def dtype(p: Any) -> torch.dtype | None:
+    """``p``'s torch dtype, None for a non-tensor."""
+    return dtypes.to_torch_dtype(p.dtype) if isinstance(p, TensorProxy) else None
+
+
+def is_cast(bsym: BoundSymbol | None) -> bool:
+    """A dtype conversion: Thunder's, or the torch executor's ``Tensor.to`` that runs it."""
+    if bsym is None or bsym.sym.name not in ("convert_element_type", "to"):
+        return False
+    a, out = bsym.args[0], bsym.output
+    return (
+        isinstance(a, TensorProxy)
+        and isinstance(out, TensorProxy)
+        and (a.shape, a.device) == (out.shape, out.device)
+    )
+
+
+def exact_widening(bsym: BoundSymbol | None) -> bool:
+    """A cast to a wider dtype that holds every value of the narrower one."""
+    return is_cast(bsym) and (dtype(bsym.args[0]), dtype(bsym.output)) in _EXACT_WIDENING
+
+
+def widened(p: Any, reader: BoundSymbol, producers: Any, consumers: Any) -> BoundSymbol | None:
+    """The exact widening that produced ``p``, when ``reader`` alone reads ``p``."""
+    cast = producers.get(p, None)
+    return cast if exact_widening(cast) and read_only_by(p, reader, consumers) else None
+
+
+def plain_product(gemm: BoundSymbol) -> bool:
+    """Whether ``gemm`` computes its product alone: it adds it into no buffer and adds no bias,
+    so that its output may take a scale, or another summand, without changing either."""
+    if gemm.sym in ACCUMULATE_ARG and arg(gemm, "accumulate_into") is not None:
+        return False
+    return not (gemm.sym is UNQUANTIZED_FWD and arg(gemm, "bias") is not None)
