@@ -4,7 +4,7 @@
 VENV ?= .venv
 PY ?= $(VENV)/bin/python
 
-.PHONY: help install test test-gpu test-distributed fuzz explain bench bench-ddp lint format
+.PHONY: help install test test-gpu test-distributed fuzz explain bench bench-ddp bench-hf lint format
 
 help:
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -29,8 +29,11 @@ fuzz: ## differential fuzzing for 10 minutes: random programs through te_v2 vs e
 explain: ## the main job: compile a small frozen-base model, print per linear what runs and what is saved
 	$(PY) -m te_v2_executor
 
-bench: ## side-by-side benchmark on a GPU with TE: markdown table on stdout, JSON and PNGs in results/ (its ddp suite needs 2 GPUs, skipped on 1)
+bench: ## side-by-side benchmark on a GPU with TE: markdown tables on stdout, JSON and PNGs in results/ (its ddp suite needs 2 GPUs, skipped on 1; its hf suite needs the [bench] extra)
 	$(PY) -m benchmarks.run --suite all --out results
+
+bench-hf: ## only the Hugging Face Llama suite, each variant in its own process: table on stdout, JSON in results/hf/
+	$(PY) -m benchmarks.hf --out results/hf
 
 bench-ddp: ## only the 2-GPU DDP suite (torchrun): table on stdout, JSON and PNG in results/ddp/
 	$(PY) -m benchmarks.run --suite ddp --out results/ddp

@@ -1,10 +1,12 @@
 """``make bench``: every variant side by side, in one process and one run, on one GPU.
 
-    python -m benchmarks.run [--suite main|sweeps|ddp|all] [--out results]
+    python -m benchmarks.run [--suite main|sweeps|ddp|hf|all] [--out results]
 
 Prints a markdown table, and writes ``bench.json`` and PNG plots into ``--out``. Needs a CUDA GPU
 with TransformerEngine; exits with status 2 without one. The ddp suite (in ``all``) runs
-``benchmarks.ddp`` on 2 GPUs through torchrun, and is skipped with a message on fewer.
+``benchmarks.ddp`` on 2 GPUs through torchrun, and is skipped with a message on fewer. The hf
+suite (in ``all``) runs ``benchmarks.hf``, Hugging Face Llama models, each variant in a process of
+its own, into ``--out``/hf.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from typing import Any
 
 import torch
 
-from benchmarks import ddp, shapes
+from benchmarks import ddp, hf, shapes
 from benchmarks.measure import forget_variant, make_step, measure, warm_up_process, without_te_gpu
 from benchmarks.models import SCENARIOS, needed_flops
 from benchmarks.variants import Variant, build, reference_model, variants
@@ -139,7 +141,7 @@ def _write_json(out: Path, device: str, results: list[dict[str, Any]]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="te_v2 benchmark")
-    parser.add_argument("--suite", choices=("main", "sweeps", "ddp", "all"), default="all")
+    parser.add_argument("--suite", choices=("main", "sweeps", "ddp", "hf", "all"), default="all")
     parser.add_argument("--out", type=Path, default=Path("results"))
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--steps", type=int, default=20)
@@ -177,6 +179,11 @@ def main(argv: list[str] | None = None) -> int:
                 f"ddp suite skipped: it needs {ddp.WORLD_SIZE} GPUs, this machine has {gpus}.",
                 file=sys.stderr,
             )
+    if args.suite in ("hf", "all"):
+        hf_args = ["--out", str(args.out / "hf"), "--warmup", str(args.warmup), "--steps", str(args.steps)]
+        hf.main(hf_args)
+        if not results:
+            return 0
     if not results:
         print("nothing was measured.", file=sys.stderr)
         return 2

@@ -2,15 +2,22 @@
 FP8 copies and state updates the backward really consumes.
 
     import thunder
-    from te_v2_executor import te_v2
+    import te_v2_executor
 
-    jitted = thunder.jit(model, executors=[te_v2, *thunder.get_default_executors()])
+    jitted = thunder.jit(model, executors=te_v2_executor.executors())
 """
 
 from te_v2_executor.backends import Backend
 from te_v2_executor.config import ClaimPolicy, TEv2Config
 from te_v2_executor.cuda_graphs import TEv2CUDAGraphTransform
-from te_v2_executor.executor import TEv2Executor, TEv2FallbackWarning, make_te_v2, te_v2
+from te_v2_executor.executor import (
+    TEv2Executor,
+    TEv2FallbackWarning,
+    TEv2PerformanceWarning,
+    executors,
+    make_te_v2,
+    te_v2,
+)
 from te_v2_executor.recipes import RecipeSpec, Scaling, block_scaling, current_scaling, delayed_scaling
 from te_v2_executor.report import LinearReport, Report, explain
 from te_v2_executor.state import (
@@ -34,9 +41,11 @@ __all__ = [
     "TEv2Config",
     "TEv2Executor",
     "TEv2FallbackWarning",
+    "TEv2PerformanceWarning",
     "block_scaling",
     "current_scaling",
     "delayed_scaling",
+    "executors",
     "explain",
     "load_quantization_state_dict",
     "make_te_v2",

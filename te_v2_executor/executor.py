@@ -13,15 +13,17 @@ import warnings
 from collections.abc import Iterable
 from typing import Any
 
+import thunder
 from thunder.core.compile_data import get_compile_data
 from thunder.core.symbol import BoundSymbol, BoundSymbolTag
 from thunder.core.trace import TraceCtx
-from thunder.extend import FusionExecutor
+from thunder.extend import Executor, FusionExecutor
 
 from te_v2_executor import passes, report
 from te_v2_executor.backends import Backend
 from te_v2_executor.checks import Decision
 from te_v2_executor.config import ClaimPolicy, TEv2Config
+from te_v2_executor.fusers import elementwise_fuser, fuses_elementwise, missing_fuser
 from te_v2_executor.lowering import LinearLowering
 from te_v2_executor.recipes import RecipeSpec
 from te_v2_executor.state import registry_for
@@ -32,13 +34,17 @@ class TEv2FallbackWarning(UserWarning):
     """A linear te_v2 cannot run stays on Thunder's default path."""
 
 
+class TEv2PerformanceWarning(UserWarning):
+    """te_v2 runs, but in a setup that leaves speed on the table (the warning names the fix)."""
+
+
 _warned: set[str] = set()
 
 
-def _warn_once(message: str) -> None:
+def _warn_once(message: str, category: type[Warning] = TEv2FallbackWarning) -> None:
     if message not in _warned:
         _warned.add(message)
-        warnings.warn(message, TEv2FallbackWarning, stacklevel=2)
+        warnings.warn(message, category, stacklevel=2)
 
 
 class TEv2Executor(FusionExecutor):
@@ -66,6 +72,11 @@ class TEv2Executor(FusionExecutor):
         later = listed[listed.index(self) + 1 :] if self in listed else []
         return [ex for ex in later if isinstance(ex, FusionExecutor)]
 
+    def _warn_without_fuser(self, listed: list[Executor]) -> None:
+        """Warn once when no executor after te_v2 in ``listed`` fuses elementwise ops."""
+        if message := missing_fuser(listed, self):
+            _warn_once(message, TEv2PerformanceWarning)
+
     def _not_in_fp8(self, trace: TraceCtx) -> list[tuple[BoundSymbol, Decision]]:
         """Each forward linear of ``trace`` te_v2 does not run in FP8, with its decision: those
         left to Thunder, and those te_v2 runs unquantized by its claim policy."""
@@ -79,10 +90,12 @@ class TEv2Executor(FusionExecutor):
         return decided
 
     def fusion_pass(self, trace: TraceCtx) -> TraceCtx:
-        """Warn once per fallback te_v2 could not avoid (the claim policy's choices are only
-        reported), run the passes (``passes.PIPELINE``) on the joint trace, and record the report
+        """Warn once when nothing after te_v2 fuses elementwise ops and once per fallback te_v2
+        could not avoid (the claim policy's choices are only reported), run the passes (``passes.PIPELINE``) on the joint trace, and record the report
         of the trace they return."""
         compile_data = get_compile_data()
+        if self.config.backend is Backend.TE and compile_data is not None:
+            self._warn_without_fuser(list(compile_data.executors_list))
         decided = self._not_in_fp8(trace)
         for bsym, decision in decided:
             if is_thunder_linear(bsym) and not decision.by_policy:
@@ -125,3 +138,16 @@ def make_te_v2(
         skip_passes=frozenset(skip_passes),
     )
     return TEv2Executor(config, name=f"te_v2_{config.backend.value}_{next(_names)}")
+
+
+def executors(te_v2_executor: TEv2Executor | None = None) -> list[Executor]:
+    """The executor list te_v2 runs fastest in: ``te_v2_executor`` (``te_v2`` when None), then
+    Thunder's default executors where they include nvFuser (with cuDNN and SDPA for attention),
+    else Thunder's torch.compile executor alone, whose regions take attention too
+    (docs/performance.md, "Real models"). Pass it as ``executors=`` to ``thunder.jit`` or
+    ``thunderfx``."""
+    first = te_v2_executor or te_v2
+    defaults = list(thunder.get_default_executors())
+    if any(fuses_elementwise(ex) for ex in defaults):
+        return [first, *defaults]
+    return [first, elementwise_fuser()]

@@ -47,3 +47,27 @@ def test_mxfp8_is_claimed_only_on_blackwell():
     jitted = thunder.jit(Stack([256, 256], factory=torch_linear), executors=[ex])
     with pytest.warns(TEv2FallbackWarning, match="need a Blackwell GPU"):
         jitted(torch.randn(128, 256, device="cuda", dtype=DTYPE)).sum().backward()
+
+
+def test_a_list_without_a_fuser_after_te_v2_warns_once_and_executors_does_not():
+    """Thunder's default executors fuse nothing elementwise without nvFuser: te_v2 listed before
+    them alone warns, naming the fix; ``executors()`` does not."""
+    import warnings
+
+    from te_v2_executor import TEv2PerformanceWarning, executors
+    from te_v2_executor.fusers import fuses_elementwise
+    from tests.gpu.common import te_v2_claiming_all
+
+    x = torch.randn(64, 256, device="cuda", dtype=DTYPE)
+    ex = te_v2_claiming_all()
+    bare = [ex, *thunder.get_default_executors()]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for listed in (bare, bare, executors(ex)):
+            train_step(thunder.jit(Stack([256, 256]).to("cuda", DTYPE), executors=listed), x, None)
+    performance = [w for w in caught if issubclass(w.category, TEv2PerformanceWarning)]
+    if any(fuses_elementwise(e) for e in thunder.get_default_executors()):  # nvFuser installed
+        assert not performance
+    else:
+        assert len(performance) == 1, [str(w.message) for w in performance]
+        assert "use executors=te_v2_executor.executors()" in str(performance[0].message)

@@ -1,0 +1,369 @@
+"""The real-model suite: Hugging Face ``LlamaForCausalLM`` through every FP8 route users compare.
+
+    python -m benchmarks.run --suite hf [--out results]                  # every model, scenario, variant
+    python -m benchmarks.hf --models 8b --scenarios lora --variants "thunderfx + te_v2"
+
+Random weights at Llama-3-8B's layer dims (2 layers) and of the Llama-3.2-1B class (16 layers),
+4 x 2048 tokens, forward and backward of the model's own loss, DelayedScaling for the TE routes
+(torchao: tensorwise scaling). Scenarios: peft LoRA r=16 on all seven projections, and full
+fine-tuning. Each variant runs in a process of its own (``--worker``): Dynamo and torch.compile
+keep state across compilations of one model class, so variants in one process do not measure
+what a user's would. Each row also checks the gradients: the cosine of each projection family's
+gradients to those of BF16 eager on the same weights and batch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks import shapes
+from benchmarks.measure import make_step, measure, warm_up_process, without_te_gpu
+
+MODELS = {
+    "8b": dict(
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=2,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=32768,
+    ),
+    "1b": dict(
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=32768,
+    ),
+}
+SCENARIOS = ("lora", "full")
+BATCH, SEQUENCE = 4, 2048
+FAMILIES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LORA_RANK = 16
+# Each worker compiles cold, as a user's first run does: no Inductor cache from an earlier worker.
+COLD = {**os.environ, "TORCHINDUCTOR_FORCE_DISABLE_CACHES": "1"}
+
+
+def _te_v2_fusers() -> list:
+    from te_v2_executor import executors
+
+    return executors()[1:]
+
+
+def _thunderfx(**jit_options: Any) -> Callable[[torch.nn.Module], Callable]:
+    from thunder.dynamo import thunderfx
+
+    return lambda model: thunderfx(model, **jit_options)
+
+
+def _builtin_te(model: torch.nn.Module) -> Callable:
+    import thunder
+    from thunder.dynamo import thunderfx
+    from thunder.executors.transformer_engineex import TransformerEngineTransform, transformer_engine_ex
+
+    executors = [transformer_engine_ex, *thunder.get_default_executors()]
+    return thunderfx(model, executors=executors, transforms=[TransformerEngineTransform()])
+
+
+def _te_v2(model: torch.nn.Module) -> Callable:
+    from te_v2_executor import executors
+
+    return _thunderfx(executors=executors())(model)
+
+
+def _te_v2_thunder_defaults(model: torch.nn.Module) -> Callable:
+    import thunder
+
+    from te_v2_executor import te_v2
+
+    return _thunderfx(executors=[te_v2, *thunder.get_default_executors()])(model)
+
+
+def _te_v2_sdpa_first(model: torch.nn.Module) -> Callable:
+    import thunder
+    from thunder.executors.torch_compile import torch_compile_ex
+
+    from te_v2_executor import te_v2
+
+    return _thunderfx(executors=[te_v2, thunder.get_executor("sdpa"), torch_compile_ex])(model)
+
+
+def _to_te_linears(model: torch.nn.Module) -> torch.nn.Module:
+    """Every ``nn.Linear`` but the LoRA adapters swapped for a ``te.Linear`` with its weights, as
+    HF accelerate's TransformerEngine backend does."""
+    import transformer_engine.pytorch as te
+
+    for name, module in list(model.named_modules()):
+        for child_name, child in list(module.named_children()):
+            if type(child) is torch.nn.Linear and "lora_" not in f"{name}.{child_name}":
+                swapped = te.Linear(
+                    child.in_features,
+                    child.out_features,
+                    bias=child.bias is not None,
+                    params_dtype=child.weight.dtype,
+                    device=child.weight.device,
+                )
+                with torch.no_grad():
+                    swapped.weight.copy_(child.weight)
+                    if child.bias is not None:
+                        swapped.bias.copy_(child.bias)
+                swapped.weight.requires_grad_(child.weight.requires_grad)
+                setattr(module, child_name, swapped)
+    return model
+
+
+def _torchao(model: torch.nn.Module) -> Callable:
+    """torchao float8 training (tensorwise scaling) on every linear but the adapters, compiled:
+    torchtitan's route."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    def wanted(module: torch.nn.Module, fqn: str) -> bool:
+        dims = (module.in_features, module.out_features) if isinstance(module, torch.nn.Linear) else (1,)
+        return "lora_" not in fqn and all(d % 16 == 0 for d in dims)
+
+    config = Float8LinearConfig.from_recipe_name("tensorwise")
+    convert_to_float8_training(model, config=config, module_filter_fn=wanted)
+    return torch.compile(model)
+
+
+# name -> (builder of the callable a step runs, whether it runs under te.autocast)
+VARIANTS: dict[str, tuple[Callable[[torch.nn.Module], Callable], bool]] = {
+    "HF eager BF16": (lambda model: model, False),
+    "torch.compile BF16": (torch.compile, False),
+    "te.Linear eager": (_to_te_linears, True),
+    "torchao float8 + torch.compile": (_torchao, False),
+    "thunderfx BF16": (lambda model: _thunderfx(executors=_te_v2_fusers())(model), False),
+    "thunderfx + built-in TE": (_builtin_te, True),
+    "thunderfx + te_v2": (_te_v2, True),
+}
+# Ablations of the default list, for choosing it: run with --variants.
+ABLATIONS = {
+    "thunderfx + te_v2, Thunder's default executors": (_te_v2_thunder_defaults, True),
+    "thunderfx + te_v2, sdpa then torch.compile": (_te_v2_sdpa_first, True),
+}
+
+
+def build_model(model: str, scenario: str) -> torch.nn.Module:
+    """The random-weight Llama of ``model``, in BF16 on the GPU, with LoRA adapters for "lora"."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(**MODELS[model], max_position_embeddings=SEQUENCE, attn_implementation="sdpa")
+    llama = LlamaForCausalLM(config).to("cuda", torch.bfloat16)
+    if scenario == "full":
+        return llama
+    from peft import LoraConfig, get_peft_model
+
+    adapters = LoraConfig(
+        r=LORA_RANK, lora_alpha=2 * LORA_RANK, lora_dropout=0.0, target_modules=list(FAMILIES)
+    )
+    peft_model = get_peft_model(llama, adapters)
+    for name, p in peft_model.named_parameters():  # peft's init zeroes lora_B: give it values
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.02)
+    return peft_model
+
+
+def needed_flops(model: str, scenario: str) -> float:
+    """GEMM work of one training step: every linear's forward, the dgrads the step needs (not the
+    first layer's q/k/v under LoRA, whose input gradient nothing reads), the wgrads of trained
+    weights, and causal attention (half of the S x S products), forward and backward."""
+    c = MODELS[model]
+    h, f, layers = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"]
+    kv = h * c["num_key_value_heads"] // c["num_attention_heads"]
+    tokens = BATCH * SEQUENCE
+    lora = scenario == "lora"
+    block = {
+        "q": (h, h),
+        "k": (h, kv),
+        "v": (h, kv),
+        "o": (h, h),
+        "gate": (h, f),
+        "up": (h, f),
+        "down": (f, h),
+    }
+    total = 0.0
+    for layer in range(layers):
+        for name, (n_in, n_out) in block.items():
+            gemm = 2.0 * tokens * n_in * n_out
+            dgrad = 0.0 if lora and layer == 0 and name in ("q", "k", "v") else gemm
+            total += gemm + dgrad + (0.0 if lora else gemm)
+            if lora:  # the adapter's two GEMMs: forward, dgrad and wgrad each
+                total += 3 * 2.0 * tokens * LORA_RANK * (n_in + n_out)
+        total += 3 * 2.0 * BATCH * SEQUENCE * SEQUENCE * h  # QK^T and PV, causal half, fwd + 2x bwd
+    head = 2.0 * tokens * h * c["vocab_size"]
+    return total + head * (2 if lora else 3)
+
+
+def family_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Each projection family's gradients (adapters' under LoRA), flattened into one float32
+    vector on the CPU."""
+    found: dict[str, list[torch.Tensor]] = {f: [] for f in FAMILIES}
+    for name, p in model.named_parameters():
+        family = next((f for f in FAMILIES if f"{f}." in name), None)
+        if family is not None and p.grad is not None:
+            found[family].append(p.grad.detach().float().flatten().cpu())
+    return {f: torch.cat(g) for f, g in found.items() if g}
+
+
+def _cosines(grads: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> dict[str, float]:
+    return {
+        f: float(torch.nn.functional.cosine_similarity(grads[f], reference[f], dim=0))
+        for f in reference
+        if f in grads
+    }
+
+
+def run_worker(model_name: str, scenario: str, variant: str, *, warmup: int, steps: int) -> dict[str, Any]:
+    """One variant of one model and scenario in this process: figures and gradient cosines."""
+    build, fp8 = {**VARIANTS, **ABLATIONS}[variant]
+    warm_up_process()
+    model = build_model(model_name, scenario)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    ids = torch.randint(0, MODELS[model_name]["vocab_size"], (BATCH, SEQUENCE), device="cuda", generator=g)
+
+    def loss_of(fn: Callable) -> Callable[[torch.Tensor], torch.Tensor]:
+        return lambda batch: fn(input_ids=batch, labels=batch).loss
+
+    make_step(loss_of(model), model, ids, fp8=False, training=True)()
+    reference = family_grads(model)
+    model.zero_grad(set_to_none=True)
+    fn = build(model)
+    row: dict[str, Any] = {"model": model_name, "scenario": scenario, "variant": variant}
+    step = make_step(loss_of(fn), model, ids, fp8=fp8, training=True)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    step()
+    torch.cuda.synchronize()
+    row["first_call_s"] = time.perf_counter() - start
+    row.update(measure(step, model, flops=needed_flops(model_name, scenario), warmup=warmup, steps=steps))
+    row["tokens_per_s"] = BATCH * SEQUENCE / (row["step_ms"] * 1e-3)
+    row["fp8_peak_share"] = row["tflops"] / shapes.H200_DENSE_FP8_TFLOPS
+    step()
+    row["grad_cosine"] = _cosines(family_grads(model), reference)
+    return row
+
+
+def run_suite(
+    out: Path,
+    *,
+    models: list[str],
+    scenarios: list[str],
+    variants: list[str],
+    warmup: int,
+    steps: int,
+    timeout_s: float,
+) -> list[dict[str, Any]]:
+    """Every (model, scenario, variant) in a fresh process, rows in the order run."""
+    rows = []
+    for model_name in models:
+        for scenario in scenarios:
+            for variant in variants:
+                slug = re.sub(r"[^A-Za-z0-9]+", "-", variant).strip("-").lower()
+                result = out / f"hf-{model_name}-{scenario}-{slug}.json"
+                cmd = [sys.executable, "-m", "benchmarks.hf", "--worker", "--out", str(result)]
+                cmd += ["--models", model_name, "--scenarios", scenario, "--variants", variant]
+                cmd += ["--warmup", str(warmup), "--steps", str(steps)]
+                row = {"model": model_name, "scenario": scenario, "variant": variant}
+                try:
+                    done = subprocess.run(cmd, timeout=timeout_s, capture_output=True, text=True, env=COLD)
+                    if done.returncode == 0:
+                        row = json.loads(result.read_text())
+                    else:
+                        row["error"] = (done.stderr.strip().splitlines() or ["no output"])[-1]
+                except subprocess.TimeoutExpired:
+                    row["error"] = f"timed out after {timeout_s:.0f} s"
+                rows.append(row)
+                print(_line(row, rows), file=sys.stderr, flush=True)
+    return rows
+
+
+def _baseline(row: dict[str, Any], rows: list[dict[str, Any]], variant: str) -> float | None:
+    for r in rows:
+        if (r["model"], r["scenario"], r["variant"]) == (row["model"], row["scenario"], variant):
+            return r.get("step_ms")
+    return None
+
+
+def _line(r: dict[str, Any], rows: list[dict[str, Any]]) -> str:
+    head = f"| {r['model']} | {r['scenario']} | {r['variant']} |"
+    if "error" in r:
+        return f"{head} failed: {r['error'][:100]} | | | | | | | |"
+    ratios = []
+    for anchor in ("torchao float8 + torch.compile", "te.Linear eager"):
+        base = _baseline(r, rows, anchor)
+        ratios.append(f"{r['step_ms'] / base:.2f}" if base else "")
+    worst = min(r["grad_cosine"].values()) if r["grad_cosine"] else math.nan
+    return (
+        f"{head} {r['step_ms']:.1f} | {ratios[0]} | {ratios[1]} | {r['tokens_per_s'] / 1e3:.0f}k | "
+        f"{r['tflops']:.0f} ({100 * r['fp8_peak_share']:.0f}%) | {r['peak_mib_above_model']:.0f} | "
+        f"{r['first_call_s']:.0f} | {worst:.4f} |"
+    )
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    """Markdown table; "x torchao" and "x TE" are the step time over those anchors' in the same
+    model and scenario; "min cos" the lowest projection family's gradient cosine to BF16 eager."""
+    lines = [
+        "| model | scenario | variant | step ms | x torchao | x TE | tokens/s | TFLOP/s (% FP8 peak) | peak MiB above model | first call s | min cos |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    return "\n".join(lines + [_line(r, rows) for r in rows])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", nargs="+", choices=tuple(MODELS), default=list(MODELS))
+    parser.add_argument("--scenarios", nargs="+", choices=SCENARIOS, default=list(SCENARIOS))
+    parser.add_argument("--variants", nargs="+", choices=(*VARIANTS, *ABLATIONS), default=list(VARIANTS))
+    parser.add_argument("--out", type=Path, default=Path("results/hf"))
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--timeout", type=float, default=900, help="seconds one variant may take")
+    parser.add_argument("--worker", action="store_true", help="run one variant here, write its row to --out")
+    args = parser.parse_args(argv)
+    if without_te_gpu("the hf suite"):
+        return 2
+    warnings.simplefilter("ignore")
+    if args.worker:
+        row = run_worker(
+            args.models[0], args.scenarios[0], args.variants[0], warmup=args.warmup, steps=args.steps
+        )
+        args.out.write_text(json.dumps(row))
+        return 0
+    args.out.mkdir(parents=True, exist_ok=True)
+    rows = run_suite(
+        args.out,
+        models=args.models,
+        scenarios=args.scenarios,
+        variants=args.variants,
+        warmup=args.warmup,
+        steps=args.steps,
+        timeout_s=args.timeout,
+    )
+    (args.out / "hf.json").write_text(
+        json.dumps({"device": torch.cuda.get_device_name(), "results": rows}, indent=1)
+    )
+    print(
+        f"# Hugging Face Llama on {torch.cuda.get_device_name()} ({BATCH} x {SEQUENCE} tokens, median of {args.steps} steps)\n"
+    )
+    print(table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,53 @@
+"""Which fusion executor to list after te_v2, and whether an executor list has one.
+
+te_v2 fuses nothing itself: the norms, activations, rotary embeddings and residual adds between
+its GEMMs are fused by the executor listed after it. nvFuser does that where it is installed
+(Thunder then lists it among its default executors); without it, Thunder's default executors
+(cuDNN, SDPA and a torch.compile executor for cross-entropy alone) fuse none of them, and each
+runs as a kernel of its own: on a Llama block that made te_v2 1.4 to 1.6x slower than with
+Thunder's general torch.compile executor after it (docs/performance.md).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from thunder.core import prims
+from thunder.extend import FusionExecutor
+
+
+def fuses_elementwise(ex: Any) -> bool:
+    """Whether ``ex`` fuses elementwise ops wherever they stand: a fusion executor that claims
+    additions and makes a region of any run of ops it can run (Thunder's torch.compile executors
+    for concatenation or cross-entropy only make regions around those ops)."""
+    return (
+        isinstance(ex, FusionExecutor)
+        and prims.PrimIDs.ADD in ex.implmap
+        and getattr(ex, "required_ops", None) is None
+    )
+
+
+def elementwise_fuser() -> FusionExecutor:
+    """nvFuser where it is installed, else Thunder's torch.compile executor."""
+    from thunder.executors.nvfuserex import nvfuserex
+
+    if nvfuserex is not None:
+        return nvfuserex
+    from thunder.executors.torch_compile import torch_compile_ex
+
+    return torch_compile_ex
+
+
+def missing_fuser(listed: list[Any], te_v2: Any) -> str:
+    """The warning for an executor list in which nothing after ``te_v2`` fuses elementwise ops,
+    or "" when one does."""
+    later = listed[listed.index(te_v2) + 1 :] if te_v2 in listed else []
+    if any(fuses_elementwise(ex) for ex in later):
+        return ""
+    names = ", ".join(getattr(ex, "name", repr(ex)) for ex in later) or "none"
+    return (
+        f"te_v2: no executor listed after {te_v2.name!r} fuses elementwise ops (after it: {names}), so "
+        "the norms, activations and residual adds between te_v2's GEMMs run one kernel each, as in "
+        "eager mode; use executors=te_v2_executor.executors(), which lists te_v2 then nvFuser where "
+        "it is installed, else Thunder's torch.compile executor"
+    )
