@@ -19,7 +19,17 @@ from dataclasses import dataclass
 from thunder.core.trace import TraceCtx, TraceProvenance
 from thunder.extend import FusionExecutor
 
-from te_v2_executor.passes import casts, consumption, gelu, scales, stale_reads, states, sums, syncs
+from te_v2_executor.passes import (
+    casts,
+    consumption,
+    gelu,
+    scales,
+    stale_reads,
+    states,
+    sums,
+    syncs,
+    widenings,
+)
 from te_v2_executor.passes._trace import source_input
 from te_v2_executor.passes._writes import check_no_new_stale_reads
 from te_v2_executor.state import StateRegistry
@@ -122,8 +132,16 @@ PIPELINE: tuple[Pass, ...] = (
         "gelu_handback",
         lambda trace, context: gelu.unfolded_gelus_as_torch_ops(trace, context.fusers),
         "unfolded GELUs go back to the fusers as torch ops",
-        "last: only the GELUs no fold took are left",
+        "after the GELU folds: only the GELUs no fold took are left",
         "every GELU fold has been made",
+        optional=True,
+    ),
+    Pass(
+        "widenings",
+        lambda trace, context: widenings.recompute_widenings(trace),
+        "the backward recomputes the exact widenings it reads, so the narrow tensor is saved",
+        "last: it moves the backward reads every other pass leaves",
+        "the backward's bound symbols carry Thunder's backward tag, as its grad transform gives them",
         optional=True,
     ),
 )

@@ -56,4 +56,12 @@ def test_only_optional_passes_can_be_skipped(name):
 
 
 def test_the_optional_passes_are_the_folds():
-    assert passes.OPTIONAL == ("merge_casts", "round_trips", "scales", "sums", "gelus", "gelu_handback")
+    assert passes.OPTIONAL == (
+        "merge_casts",
+        "round_trips",
+        "scales",
+        "sums",
+        "gelus",
+        "gelu_handback",
+        "widenings",
+    )

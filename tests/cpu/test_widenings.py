@@ -1,0 +1,83 @@
+"""The ``widenings`` pass: the backward recomputes the exact widenings it reads, so the forward saves
+bfloat16 tensors where it saved their float32 copies (a Hugging Face model's RMSNorm input and
+peft's float32 adapters), with bitwise the same gradients; never across an in-place write."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import thunder
+import torch
+import torch.nn.functional as F
+
+from te_v2_executor import make_te_v2
+from tests.helpers import forward_trace
+
+TOKENS, DIM, RANK, VOCAB = 32, 64, 16, 128
+
+
+class HFLike(torch.nn.Module):
+    """A bfloat16 block as Hugging Face and peft write it: RMSNorm in float32, a frozen base
+    linear with a float32 LoRA adapter (peft casts the adapter's input to its dtype), a head.
+    ``write_after_cast``: the normed activation is written in place after its float32 cast."""
+
+    def __init__(self, write_after_cast: bool = False) -> None:
+        super().__init__()
+        self.write_after_cast = write_after_cast
+        self.norm = torch.nn.Parameter(torch.ones(DIM, dtype=torch.bfloat16))
+        self.base = torch.nn.Linear(DIM, DIM, bias=False, dtype=torch.bfloat16).requires_grad_(False)
+        self.lora_a = torch.nn.Linear(DIM, RANK, bias=False)
+        self.lora_b = torch.nn.Linear(RANK, DIM, bias=False)
+        self.head = torch.nn.Linear(DIM, VOCAB, bias=False, dtype=torch.bfloat16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = self.norm * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)).to(torch.bfloat16)
+        wide = h.float()
+        if self.write_after_cast:
+            h.mul_(0.5)
+        y = self.base(h) + self.lora_b(self.lora_a(wide)).to(torch.bfloat16)
+        return self.head(y)
+
+
+def _step(model: torch.nn.Module, skip: list[str]) -> tuple[object, dict[str, torch.Tensor]]:
+    torch.manual_seed(0)
+    x = torch.randn(TOKENS, DIM, dtype=torch.bfloat16, requires_grad=True)
+    jitted = thunder.jit(model, executors=[make_te_v2(backend="reference", skip_passes=skip)])
+    F.cross_entropy(jitted(x).float(), torch.arange(TOKENS) % VOCAB).backward()
+    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    return jitted, {**grads, "x": x.grad}
+
+
+def _saved_widenings(jitted) -> list[str]:
+    """The tensors the forward saves that are float32 casts of another tensor, or views of one."""
+    trace = forward_trace(jitted)
+    producers = thunder.core.utils.producers(trace)
+    found = []
+    for p in thunder.core.pytree.tree_flatten(trace.bound_symbols[-1].args[1])[0]:
+        producer = producers.get(p, None) if isinstance(p, thunder.core.proxies.TensorProxy) else None
+        while producer is not None and producer.sym.name in ("expand", "broadcast_in_dim", "reshape"):
+            producer = producers.get(producer.args[0], None)
+        if (
+            producer is not None
+            and producer.sym.name in ("to", "convert_element_type")
+            and p.dtype == thunder.float32
+        ):
+            found.append(p.name)
+    return found
+
+
+@pytest.mark.parametrize("write_after_cast", [False, True], ids=["plain", "written-after-cast"])
+def test_the_backward_recomputes_widenings_with_the_same_gradients(write_after_cast):
+    model = HFLike(write_after_cast)
+    twin = copy.deepcopy(model)
+    jitted, grads = _step(model, skip=[])
+    plain, plain_grads = _step(twin, skip=["widenings"])
+    # without the pass: x's float32 copy (RMSNorm's), the adapter's float32 input and more
+    assert len(_saved_widenings(plain)) >= 2
+    # the adapter's input is not recomputed from the normed activation written after the cast
+    assert len(_saved_widenings(jitted)) == (1 if write_after_cast else 0)
+    assert grads.keys() == plain_grads.keys()
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, plain_grads[name], rtol=0, atol=0, msg=name)
