@@ -131,9 +131,8 @@ def _torchao(model: torch.nn.Module) -> Callable:
     torchtitan's route."""
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
-    def wanted(module: torch.nn.Module, fqn: str) -> bool:
-        dims = (module.in_features, module.out_features) if isinstance(module, torch.nn.Linear) else (1,)
-        return "lora_" not in fqn and all(d % 16 == 0 for d in dims)
+    def wanted(module: torch.nn.Linear, fqn: str) -> bool:
+        return "lora_" not in fqn and module.in_features % 16 == 0 and module.out_features % 16 == 0
 
     config = Float8LinearConfig.from_recipe_name("tensorwise")
     convert_to_float8_training(model, config=config, module_filter_fn=wanted)
@@ -159,10 +158,17 @@ ABLATIONS = {
 
 def build_model(model: str, scenario: str) -> torch.nn.Module:
     """The random-weight Llama of ``model``, in BF16 on the GPU, with LoRA adapters for "lora"."""
+    return llama(MODELS[model], scenario)
+
+
+def llama(dims: dict[str, int], scenario: str) -> torch.nn.Module:
+    """A random-weight ``LlamaForCausalLM`` of ``dims`` (``LlamaConfig`` fields), in BF16 on the
+    GPU; for "lora", with peft adapters of rank 16 on every projection, ``lora_B`` drawn at random
+    (peft zeroes it, which would leave every ``lora_A`` gradient zero)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(**MODELS[model], max_position_embeddings=SEQUENCE, attn_implementation="sdpa")
+    config = LlamaConfig(**dims, max_position_embeddings=SEQUENCE, attn_implementation="sdpa")
     llama = LlamaForCausalLM(config).to("cuda", torch.bfloat16)
     if scenario == "full":
         return llama
@@ -172,7 +178,7 @@ def build_model(model: str, scenario: str) -> torch.nn.Module:
         r=LORA_RANK, lora_alpha=2 * LORA_RANK, lora_dropout=0.0, target_modules=list(FAMILIES)
     )
     peft_model = get_peft_model(llama, adapters)
-    for name, p in peft_model.named_parameters():  # peft's init zeroes lora_B: give it values
+    for name, p in peft_model.named_parameters():
         if "lora_B" in name:
             torch.nn.init.normal_(p, std=0.02)
     return peft_model
@@ -202,8 +208,9 @@ def needed_flops(model: str, scenario: str) -> float:
             gemm = 2.0 * tokens * n_in * n_out
             dgrad = 0.0 if lora and layer == 0 and name in ("q", "k", "v") else gemm
             total += gemm + dgrad + (0.0 if lora else gemm)
-            if lora:  # the adapter's two GEMMs: forward, dgrad and wgrad each
-                total += 3 * 2.0 * tokens * LORA_RANK * (n_in + n_out)
+            if lora:  # the adapter's two GEMMs: forward and wgrad each, dgrad where its input needs one
+                adapter = 2.0 * tokens * LORA_RANK
+                total += 3 * adapter * n_out + (3 if dgrad else 2) * adapter * n_in
         total += 3 * 2.0 * BATCH * SEQUENCE * SEQUENCE * h  # QK^T and PV, causal half, fwd + 2x bwd
     head = 2.0 * tokens * h * c["vocab_size"]
     return total + head * (2 if lora else 3)
@@ -326,6 +333,8 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the suite (or, with ``--worker``, one variant of it) and print its table; 2 without a
+    GPU with TransformerEngine."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", choices=tuple(MODELS), default=list(MODELS))
     parser.add_argument("--scenarios", nargs="+", choices=SCENARIOS, default=list(SCENARIOS))
@@ -338,8 +347,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if without_te_gpu("the hf suite"):
         return 2
-    warnings.simplefilter("ignore")
     if args.worker:
+        warnings.simplefilter("ignore")
         row = run_worker(
             args.models[0], args.scenarios[0], args.variants[0], warmup=args.warmup, steps=args.steps
         )

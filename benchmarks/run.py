@@ -181,9 +181,9 @@ def main(argv: list[str] | None = None) -> int:
             )
     if args.suite in ("hf", "all"):
         hf_args = ["--out", str(args.out / "hf"), "--warmup", str(args.warmup), "--steps", str(args.steps)]
-        hf.main(hf_args)
+        status = hf.main(hf_args)
         if not results:
-            return 0
+            return status
     if not results:
         print("nothing was measured.", file=sys.stderr)
         return 2

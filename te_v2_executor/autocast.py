@@ -59,4 +59,5 @@ class RecipeGuard:
     one its trace was made with; a mismatch makes Thunder retrace instead of reusing it."""
 
     def current_signature(self) -> str:
+        """What identifies the recipe of the enclosing ``te.autocast`` (None outside one)."""
         return repr(autocast_recipe())

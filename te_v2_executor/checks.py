@@ -4,7 +4,8 @@ Each rule returns the empty string when the linear passes, or the rule it breaks
 fallback warning or the explain report can quote it. Capability rules say what te_v2 cannot run
 (a user should hear about those); the claim policy says what it chooses not to run. ``decide``
 applies them and remembers the ``Decision``, which the checker, the grad transform, the fallback
-warnings and the report all read. Nothing here reads global state or warns.
+warnings and the report all read. The rules are pure; ``operands`` reads the CUDA device's
+compute capability, and ``decide`` memoizes. Nothing here warns.
 """
 
 from __future__ import annotations
@@ -146,6 +147,7 @@ class Decision:
 
     @property
     def fp8(self) -> bool:
+        """Whether te_v2 runs the linear in FP8."""
         return not self.rule
 
 

@@ -34,6 +34,7 @@ class PerFunction(Generic[T]):
         self._unowned = factory()
 
     def __call__(self, compile_data: Any) -> T:
+        """The ``T`` of ``compile_data`` (the shared one for None)."""
         if compile_data is None:
             return self._unowned
         found = self._made.get(compile_data)

@@ -23,7 +23,7 @@ from te_v2_executor import passes, report
 from te_v2_executor.backends import Backend
 from te_v2_executor.checks import Decision
 from te_v2_executor.config import ClaimPolicy, TEv2Config
-from te_v2_executor.fusers import elementwise_fuser, fuses_elementwise, missing_fuser
+from te_v2_executor.fusers import after, elementwise_fuser, fuses_elementwise, missing_fuser
 from te_v2_executor.lowering import LinearLowering
 from te_v2_executor.recipes import RecipeSpec
 from te_v2_executor.state import registry_for
@@ -68,9 +68,7 @@ class TEv2Executor(FusionExecutor):
         """The fusion executors (nvFuser, torch.compile) listed after te_v2."""
         if compile_data is None:
             return []
-        listed = list(compile_data.executors_list)
-        later = listed[listed.index(self) + 1 :] if self in listed else []
-        return [ex for ex in later if isinstance(ex, FusionExecutor)]
+        return [ex for ex in after(list(compile_data.executors_list), self) if isinstance(ex, FusionExecutor)]
 
     def _warn_without_fuser(self, listed: list[Executor]) -> None:
         """Warn once when no executor after te_v2 in ``listed`` fuses elementwise ops."""

@@ -38,10 +38,15 @@ def elementwise_fuser() -> FusionExecutor:
     return torch_compile_ex
 
 
+def after(listed: list[Any], te_v2: Any) -> list[Any]:
+    """The executors ``listed`` after ``te_v2`` (none when it is not listed)."""
+    return listed[listed.index(te_v2) + 1 :] if te_v2 in listed else []
+
+
 def missing_fuser(listed: list[Any], te_v2: Any) -> str:
     """The warning for an executor list in which nothing after ``te_v2`` fuses elementwise ops,
     or "" when one does."""
-    later = listed[listed.index(te_v2) + 1 :] if te_v2 in listed else []
+    later = after(listed, te_v2)
     if any(fuses_elementwise(ex) for ex in later):
         return ""
     names = ", ".join(getattr(ex, "name", repr(ex)) for ex in later) or "none"

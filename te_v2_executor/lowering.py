@@ -139,7 +139,7 @@ class LinearLowering:
                 raise ValueError(
                     f"te_v2: executor {ex.name!r} comes before {self.executor.name!r} in executors=[...] "
                     f"and claims linear first, so te_v2 would never run; list {self.executor.name!r} first, "
-                    f"e.g. executors=[te_v2, *thunder.get_default_executors()]"
+                    "e.g. executors=te_v2_executor.executors(), which puts te_v2 first and a fuser after it"
                 )
 
     def lookaside(self, x, w, bias=None):

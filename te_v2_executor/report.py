@@ -12,13 +12,12 @@ from typing import Any
 
 import thunder
 from thunder.core import utils
-from thunder.core.proxies import TensorProxy
 from thunder.core.symbol import BoundSymbol, BoundSymbolTag
 from thunder.core.trace import TraceCtx
 
 from te_v2_executor.checks import Decision, operands
 from te_v2_executor.compiled import PerFunction, compiled_functions
-from te_v2_executor.passes import source_input
+from te_v2_executor.passes import source_name
 from te_v2_executor.state import LinearQuantState
 from te_v2_executor.symbols import (
     LINEAR_DGRAD,
@@ -100,11 +99,6 @@ class Report:
         return "\n".join(lines + notes)
 
 
-def source_name(trace: TraceCtx, p: TensorProxy) -> str:
-    """The name of the trace input ``p`` derives from through single-input ops (casts, views)."""
-    return source_input(utils.producers(trace), p).name.removeprefix("t_")
-
-
 def _site_key(bsym: Any) -> Any:
     """What ties the symbols of one claimed linear together: its state, or its site's name."""
     return id(bsym.kwargs["state"]) if bsym.sym in LINEAR_SYMBOLS else bsym.kwargs["site"]
@@ -153,13 +147,14 @@ def report_from_trace(trace: TraceCtx, decided: list[tuple[BoundSymbol, Decision
     trace they were given that does not run in FP8 (left to Thunder, or run unquantized by te_v2)
     with its decision."""
     policy_rules = {b.kwargs["site"]: d.rule for b, d in decided if b.sym is UNQUANTIZED_FWD}
+    producers = utils.producers(trace)
     rows = []
     for key, site in _claimed_linears(trace).items():
         x, w = site.pop("x"), site.pop("w")
         state = site.get("state")
         rows.append(
             LinearReport(
-                name=source_name(trace, w),
+                name=source_name(producers, w),
                 operation=operands(x, w, None).describe(),
                 recipe="unquantized" if state is None else state.recipe.scaling.value,
                 unquantized="" if state is not None else policy_rules[key],
@@ -170,7 +165,7 @@ def report_from_trace(trace: TraceCtx, decided: list[tuple[BoundSymbol, Decision
         if is_thunder_linear(bsym):
             rows.append(
                 LinearReport(
-                    name=source_name(trace, bsym.args[1]),
+                    name=source_name(producers, bsym.args[1]),
                     operation=decision.operands.describe(),
                     recipe="",
                     fallback=fallback_rule(decision),

@@ -30,11 +30,11 @@ from te_v2_executor.passes import (
     syncs,
     widenings,
 )
-from te_v2_executor.passes._trace import source_input
+from te_v2_executor.passes._trace import source_name
 from te_v2_executor.passes._writes import check_no_new_stale_reads
 from te_v2_executor.state import StateRegistry
 
-__all__ = ["OPTIONAL", "PIPELINE", "Context", "Pass", "check_skippable", "run", "source_input"]
+__all__ = ["OPTIONAL", "PIPELINE", "Context", "Pass", "check_skippable", "run", "source_name"]
 
 
 @dataclass(frozen=True)
@@ -149,8 +149,8 @@ PIPELINE: tuple[Pass, ...] = (
 OPTIONAL = tuple(p.name for p in PIPELINE if p.optional)
 
 
-def check_skippable(names: Iterable[str]) -> frozenset[str]:
-    """``names`` as a set of optional passes; raises naming any that is not one."""
+def check_skippable(names: Iterable[str]) -> None:
+    """Raise naming any of ``names`` that is not an optional pass."""
     names = frozenset(names)
     if unknown := sorted(names - set(OPTIONAL)):
         required = [p.name for p in PIPELINE if not p.optional]
@@ -159,7 +159,6 @@ def check_skippable(names: Iterable[str]) -> frozenset[str]:
             f"optional pass; the optional ones are {', '.join(OPTIONAL)} "
             f"({', '.join(required)} are needed for correct results)"
         )
-    return names
 
 
 def run(trace: TraceCtx, context: Context, *, skip: frozenset[str] = frozenset()) -> TraceCtx:

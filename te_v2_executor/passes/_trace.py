@@ -83,6 +83,12 @@ def source_input(producers: dict, p: TensorProxy) -> TensorProxy:
     return p
 
 
+def source_name(producers: dict, p: TensorProxy) -> str:
+    """The name of the trace input ``p`` derives from, as ``explain`` shows it (without Thunder's
+    ``t_`` prefix)."""
+    return source_input(producers, p).name.removeprefix("t_")
+
+
 def read_only_by(p: Any, reader: BoundSymbol, consumers: Any) -> bool:
     """Whether ``reader`` is the one bound symbol that reads ``p``."""
     readers = consumers.get(p, [])

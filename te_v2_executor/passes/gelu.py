@@ -8,13 +8,13 @@ from typing import Any
 
 import thunder.torch as ltorch
 import torch
-from thunder.core import dtypes, utils
+from thunder.core import utils
 from thunder.core.proxies import TensorProxy, variableify
 from thunder.core.symbol import BoundSymbol
 from thunder.core.trace import TraceCtx, from_trace, tracectx
 from thunder.extend import FusionExecutor
 
-from te_v2_executor.passes._trace import Fold, fold, read_only_by, with_bound_symbols
+from te_v2_executor.passes._trace import Fold, dtype, fold, read_only_by, with_bound_symbols
 from te_v2_executor.symbols import GELU, GELU_BACKWARD, LINEAR_FWD, QUANTIZE_GRAD_OUTPUT, arg, with_args
 
 _SQRT1_2 = 0.7071067811865476
@@ -83,7 +83,7 @@ def _gelu_backward_ops(grad: TensorProxy, a: TensorProxy) -> TensorProxy:
     """PyTorch's exact GELU backward, computed as PyTorch does in the wider of float32 and
     ``a``'s dtype (float32 for the 16-bit dtypes, float64 for float64), rounded once to ``a``'s
     dtype."""
-    a_dtype = dtypes.to_torch_dtype(a.dtype)
+    a_dtype = dtype(a)
     compute = torch.promote_types(torch.float32, a_dtype)
     x = ltorch.to(a, compute)
     cdf = ltorch.mul(0.5, ltorch.add(1.0, ltorch.erf(ltorch.mul(x, _SQRT1_2))))

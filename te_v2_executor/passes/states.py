@@ -9,7 +9,7 @@ from thunder.core import utils
 from thunder.core.symbol import BoundSymbol
 from thunder.core.trace import TraceCtx
 
-from te_v2_executor.passes._trace import source_input, with_bound_symbols
+from te_v2_executor.passes._trace import source_input, source_name, with_bound_symbols
 from te_v2_executor.state import LinearQuantState, StateKey, StateRegistry
 from te_v2_executor.symbols import LINEAR_FWD, is_forward_linear, with_args
 
@@ -28,8 +28,8 @@ def bind_states(trace: TraceCtx, registry: StateRegistry) -> TraceCtx:
     ordinals: collections.Counter[str] = collections.Counter()
     bound: dict[int, LinearQuantState] = {}
     for bsym in filter(is_forward_linear, trace.bound_symbols):
-        name = source_input(producers, bsym.args[1]).name
-        source = name.removeprefix("t_")  # as explain names it
+        root = source_input(producers, bsym.args[1])
+        name, source = root.name, source_name(producers, root)
         ordinal, ordinals[source] = ordinals[source], ordinals[source] + 1
         if bsym.sym is LINEAR_FWD:
             state = bsym.kwargs["state"]

@@ -312,7 +312,7 @@ def test_thunderfx_regions_run_te_v2_and_the_claim_policy():
 
 def test_the_documented_pass_order_is_the_pipeline():
     """architecture.md's pass table lists ``passes.PIPELINE``: every pass, in order, with what it
-    does and why it sits there."""
+    does, why it sits there and what it needs of the trace it gets."""
     table = (DOCS / "architecture.md").read_text().split("<!-- pipeline -->\n", 1)[1].split("\n\n", 1)[0]
     rows = [tuple(cell.strip() for cell in line.strip("|").split("|")) for line in table.splitlines()[2:]]
-    assert rows == [(f"`{p.name}`", p.does, p.why_here) for p in passes.PIPELINE]
+    assert rows == [(f"`{p.name}`", p.does, p.why_here, p.precondition) for p in passes.PIPELINE]

@@ -2,8 +2,7 @@
 scaling), and an eager emulation of te_v2's kernels.
 
 The emulation (``tests.helpers.eager_emulation``) routes each ``F.linear`` as te_v2's claim would: through the
-reference FP8 kernels when ``checks.capability_rule_broken`` and ``checks.policy_rule_broken``
-pass it, through plain ``F.linear`` otherwise (te_v2's unquantized symbols and Thunder's fallback
+reference FP8 kernels when ``checks.decide`` gives FP8, through plain ``F.linear`` otherwise (te_v2's unquantized symbols and Thunder's fallback
 compute the same products). Compared: every output, every input after the call (the program may
 write into it) and every gradient; the None-ness of each gradient must match eager's exactly.
 
