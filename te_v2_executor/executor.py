@@ -49,7 +49,7 @@ def _warn_once(message: str, category: type[Warning] = TEv2FallbackWarning) -> N
 
 class TEv2Executor(FusionExecutor):
     """Claims Thunder's linears and lowers them to FP8 GEMMs, running only the gradients the
-    backward consumes. Use it first: ``thunder.jit(model, executors=[te_v2, ...])``."""
+    backward consumes. List it first, as ``thunder.jit(model, executors=executors())`` does."""
 
     def __init__(self, config: TEv2Config | None = None, *, name: str = "te_v2") -> None:
         super().__init__(name)
@@ -89,8 +89,8 @@ class TEv2Executor(FusionExecutor):
 
     def fusion_pass(self, trace: TraceCtx) -> TraceCtx:
         """Warn once when nothing after te_v2 fuses elementwise ops and once per fallback te_v2
-        could not avoid (the claim policy's choices are only reported), run the passes (``passes.PIPELINE``) on the joint trace, and record the report
-        of the trace they return."""
+        could not avoid (the claim policy's choices are only reported), run the passes
+        (``passes.PIPELINE``) on the joint trace, and record the report of the trace they return."""
         compile_data = get_compile_data()
         if self.config.backend is Backend.TE and compile_data is not None:
             self._warn_without_fuser(list(compile_data.executors_list))
