@@ -15,7 +15,7 @@ from typing import Any
 
 import thunder
 from thunder.core.compile_data import get_compile_data
-from thunder.core.symbol import BoundSymbol, BoundSymbolTag
+from thunder.core.symbol import BoundSymbol
 from thunder.core.trace import TraceCtx
 from thunder.extend import Executor, FusionExecutor
 
@@ -27,7 +27,7 @@ from te_v2_executor.fusers import after, elementwise_fuser, fuses_elementwise, m
 from te_v2_executor.lowering import LinearLowering
 from te_v2_executor.recipes import RecipeSpec
 from te_v2_executor.state import registry_for
-from te_v2_executor.symbols import UNQUANTIZED_FWD, arg, is_thunder_linear
+from te_v2_executor.symbols import UNQUANTIZED_FWD, arg, in_backward, is_thunder_linear
 
 
 class TEv2FallbackWarning(UserWarning):
@@ -82,7 +82,7 @@ class TEv2Executor(FusionExecutor):
         for bsym in trace.bound_symbols:
             if is_thunder_linear(bsym):
                 decided.append((bsym, self.lowering.decide(*bsym.args, **bsym.kwargs)))
-            elif bsym.sym is UNQUANTIZED_FWD and BoundSymbolTag.BACKWARD not in bsym.tags:
+            elif bsym.sym is UNQUANTIZED_FWD and not in_backward(bsym):
                 x, w, bias = (arg(bsym, name) for name in ("x", "w", "bias"))
                 decided.append((bsym, self.lowering.decide(x, w, bias)))
         return decided

@@ -12,7 +12,7 @@ from typing import Any
 
 import thunder
 from thunder.core import utils
-from thunder.core.symbol import BoundSymbol, BoundSymbolTag
+from thunder.core.symbol import BoundSymbol
 from thunder.core.trace import TraceCtx
 
 from te_v2_executor.checks import Decision, operands
@@ -28,6 +28,7 @@ from te_v2_executor.symbols import (
     UNQUANTIZED_FWD,
     UNQUANTIZED_SYMBOLS,
     arg,
+    in_backward,
     is_recompute,
     is_thunder_linear,
 )
@@ -109,7 +110,7 @@ def _claimed_linears(trace: TraceCtx) -> dict[Any, dict[str, Any]]:
     for bsym in trace.bound_symbols:
         if bsym.sym in UNQUANTIZED_SYMBOLS:
             site = sites.setdefault(_site_key(bsym), {})
-            if bsym.sym is UNQUANTIZED_FWD and BoundSymbolTag.BACKWARD in bsym.tags:
+            if bsym.sym is UNQUANTIZED_FWD and in_backward(bsym):
                 site["recomputed"] = True
             elif bsym.sym is UNQUANTIZED_FWD:
                 site.update(x=arg(bsym, "x"), w=arg(bsym, "w"))

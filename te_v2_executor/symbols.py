@@ -301,16 +301,22 @@ def is_thunder_linear(bsym: BoundSymbol) -> bool:
     return bsym.sym.id in LINEAR_IDS or bsym.sym is torchex.linear
 
 
+def in_backward(bsym: BoundSymbol) -> bool:
+    """Whether ``bsym`` belongs to the backward of a joint trace, as Thunder's grad transform tags
+    it (a checkpoint's recomputed forward included)."""
+    return BoundSymbolTag.BACKWARD in bsym.tags
+
+
 def is_recompute(bsym: BoundSymbol) -> bool:
     """A forward copy Thunder placed in the backward to recompute a checkpointed region."""
-    return bsym.sym is LINEAR_FWD and BoundSymbolTag.BACKWARD in bsym.tags
+    return bsym.sym is LINEAR_FWD and in_backward(bsym)
 
 
 def is_forward_linear(bsym: BoundSymbol) -> bool:
     """A linear's forward, in FP8, unquantized or left to Thunder, other than a checkpoint
     recompute (which Thunder tags as backward)."""
     linear = bsym.sym in (LINEAR_FWD, UNQUANTIZED_FWD) or is_thunder_linear(bsym)
-    return linear and BoundSymbolTag.BACKWARD not in bsym.tags
+    return linear and not in_backward(bsym)
 
 
 # ---- argument accessors: a te_v2 bound symbol's arguments by their meta's parameter names -----

@@ -3,12 +3,11 @@ raise, as eager's does."""
 
 from __future__ import annotations
 
-from thunder.core.symbol import BoundSymbolTag
 from thunder.core.trace import TraceCtx
 
 from te_v2_executor.passes._trace import before_return, returned_grads
 from te_v2_executor.passes._writes import Writes, describe
-from te_v2_executor.symbols import REFUSE_BACKWARD
+from te_v2_executor.symbols import REFUSE_BACKWARD, in_backward
 
 
 def refuse_stale_reads(trace: TraceCtx) -> TraceCtx:
@@ -20,7 +19,7 @@ def refuse_stale_reads(trace: TraceCtx) -> TraceCtx:
     at the end of the backward, before they are returned) raises the error naming the tensor and
     the write. The forward is Thunder's and is left as it is."""
     writes = Writes(trace)
-    stale = next((s for s in writes.stale_reads() if BoundSymbolTag.BACKWARD in s.reader.tags), None)
+    stale = next((s for s in writes.stale_reads() if in_backward(s.reader)), None)
     grads = returned_grads(trace)
     if stale is None or not grads:
         return trace

@@ -21,21 +21,18 @@ from thunder.core.trace import TraceCtx, from_trace, tracectx
 
 from te_v2_executor.passes._trace import exact_widening
 from te_v2_executor.passes._writes import Writes
+from te_v2_executor.symbols import in_backward
 
 # Ops that give another view of their one tensor input, by name (Thunder's torch, prims and
 # torch-executor versions share it): recomputed after the widening they view.
 _VIEWS = {"expand", "broadcast_in_dim", "reshape", "view", "unsqueeze", "squeeze", "transpose", "permute"}
 
 
-def _backward(bsym: BoundSymbol) -> bool:
-    return BoundSymbolTag.BACKWARD in bsym.tags
-
-
 def _chain(p: TensorProxy, producers: Any) -> list[BoundSymbol]:
     """The forward ops that make ``p`` from a narrower tensor: an exact widening, then views of its
     output; empty when ``p`` is made otherwise."""
     chain: list[BoundSymbol] = []
-    while (producer := producers.get(p, None)) is not None and not _backward(producer):
+    while (producer := producers.get(p, None)) is not None and not in_backward(producer):
         chain.insert(0, producer)
         if exact_widening(producer):
             return chain
@@ -99,12 +96,12 @@ def recompute_widenings(trace: TraceCtx) -> TraceCtx:
     work = _Recomputation(trace, new_trace)
     swaps: dict[int, dict] = {}  # id of a backward reader -> its swap map
     for bsym in trace.bound_symbols:
-        if not _backward(bsym):
+        if not in_backward(bsym):
             continue
         for p in bsym.flat_proxy_args:
             if not isinstance(p, TensorProxy) or variableify(p) in swaps.get(id(bsym), {}):
                 continue
-            readers = [r for r in consumers.get(p, []) if _backward(r)]
+            readers = [r for r in consumers.get(p, []) if in_backward(r)]
             copy = work.copy(p, readers)
             if copy is not None:
                 swaps.setdefault(id(bsym), {})[variableify(p)] = copy
