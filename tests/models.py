@@ -187,17 +187,19 @@ class WriteIntoInputBeforeAdapter(nn.Module):
 
 
 class SavedThenWritten(nn.Module):
-    """b saves h for its weight gradient, then h is written in place: eager refuses the backward."""
+    """b saves h for its weight gradient, then h is written in place: eager refuses the backward.
+    ``through``: the write goes into h itself ("tensor"), a slice of it or a view of it."""
 
-    def __init__(self, dim: int = 64, **kw) -> None:
+    def __init__(self, dim: int = 64, through: str = "tensor", **kw) -> None:
         super().__init__()
+        self.through = through
         self.a = nn.Linear(dim, dim, bias=False, **kw)
         self.b = nn.Linear(dim, dim, bias=False, **kw)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.a(x)
         y = self.b(h)
-        h.mul_(2)
+        {"tensor": h, "slice": h[:, :8], "view": h.view(-1)}[self.through].mul_(2)
         return y + h
 
 

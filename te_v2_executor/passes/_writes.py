@@ -27,16 +27,39 @@ from thunder.core import dtypes, prims
 from thunder.core.proxies import TensorProxy
 from thunder.core.symbol import BoundSymbol
 from thunder.core.trace import TraceCtx
+from thunder.executors import torchex
 
 from te_v2_executor.symbols import ACCUMULATE_ARG
 
-# Ops whose output may share its first input's storage, by name (Thunder's torch, prims and
-# torch-executor versions of one op share it).
-# Conversions are left to ``_same_dtype_cast``: one to another dtype is a copy.
+_VIEW_OPS = {"reshape", "broadcast_in_dim", "transpose", "slice_prim", "squeeze", "unsqueeze", "view"} | {
+    "split",
+    "shallow_copy",
+    "contiguous",
+    "expand",
+    "flatten",
+    "stride_order",
+}
+
+
+def _names_as_run(symbols: Iterable[Any]) -> set[str]:
+    """The names of ``symbols`` and of the torch executor's symbols that run them, which differ
+    for some (``prims.reshape`` runs as ``torch_prims_reshape_impl``, ``getitem`` as ``__getitem__``)."""
+    names = set()
+    for s in symbols:
+        names.add(s.name)
+        impl = torchex.ex.implmap.get(s.id)
+        if impl is not None and impl.symbol is not None:
+            names.add(impl.symbol.name)
+    return names
+
+
+# Ops whose output may share its first input's storage, by name, as Thunder's torch and prims
+# versions and the torch executor's call them. Conversions are left to ``_same_dtype_cast``: one
+# to another dtype is a copy.
 _VIEW_NAMES = frozenset(
-    {s.name for s in ltorch._syms_returning_views | ltorch._syms_that_may_return_views}
-    | {"reshape", "broadcast_in_dim", "transpose", "slice_prim", "squeeze", "unsqueeze", "view"}
-    | {"split", "shallow_copy", "contiguous", "expand", "flatten"}
+    _names_as_run(ltorch._syms_returning_views | ltorch._syms_that_may_return_views)
+    | _names_as_run(s for module in (prims, ltorch) for n in _VIEW_OPS if (s := getattr(module, n, None)))
+    | _VIEW_OPS
 ) - {"to", "convert_element_type"}
 # Reads of a proxy that do not read its values: a cotangent placeholder, the renaming of a
 # written tensor's aliases, the trace's return.

@@ -37,9 +37,10 @@ def test_the_fold_away_from_the_write_is_still_made():
     assert [b.kwargs["site"].split("(")[0] for b in accumulating] == ["t_base_weight"]
 
 
+@pytest.mark.parametrize("through", ["tensor", "slice", "view"])
 @pytest.mark.parametrize("claim", [ClaimPolicy(), ClaimPolicy(unquantized=False)], ids=["te_v2", "thunder"])
-def test_a_backward_reading_a_tensor_written_after_it_was_saved_raises_as_eager_does(claim):
-    model, x = SavedThenWritten(), torch.randn(32, 64)
+def test_a_backward_reading_a_tensor_written_after_it_was_saved_raises_as_eager_does(claim, through):
+    model, x = SavedThenWritten(through=through), torch.randn(32, 64)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         model(x).sum().backward()
     jitted = thunder.jit(model, executors=[make_te_v2(backend="reference", claim=claim)])

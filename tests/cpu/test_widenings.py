@@ -20,9 +20,10 @@ TOKENS, DIM, RANK, VOCAB = 32, 64, 16, 128
 class HFLike(torch.nn.Module):
     """A bfloat16 block as Hugging Face and peft write it: RMSNorm in float32, a frozen base
     linear with a float32 LoRA adapter (peft casts the adapter's input to its dtype), a head.
-    ``write_after_cast``: the normed activation is written in place after its float32 cast."""
+    ``write_after_cast``: the normed activation is written in place after its float32 cast, into
+    itself ("tensor") or through a view of it ("view"); "" writes nothing."""
 
-    def __init__(self, write_after_cast: bool = False) -> None:
+    def __init__(self, write_after_cast: str = "") -> None:
         super().__init__()
         self.write_after_cast = write_after_cast
         self.norm = torch.nn.Parameter(torch.ones(DIM, dtype=torch.bfloat16))
@@ -36,7 +37,7 @@ class HFLike(torch.nn.Module):
         h = self.norm * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)).to(torch.bfloat16)
         wide = h.float()
         if self.write_after_cast:
-            h.mul_(0.5)
+            (h if self.write_after_cast == "tensor" else h.view(-1)).mul_(0.5)
         y = self.base(h) + self.lora_b(self.lora_a(wide)).to(torch.bfloat16)
         return self.head(y)
 
@@ -68,7 +69,9 @@ def _saved_widenings(jitted) -> list[str]:
     return found
 
 
-@pytest.mark.parametrize("write_after_cast", [False, True], ids=["plain", "written-after-cast"])
+@pytest.mark.parametrize(
+    "write_after_cast", ["", "tensor", "view"], ids=["plain", "written-after-cast", "written-through-a-view"]
+)
 def test_the_backward_recomputes_widenings_with_the_same_gradients(write_after_cast):
     model = HFLike(write_after_cast)
     twin = copy.deepcopy(model)
