@@ -31,6 +31,7 @@ import torch
 
 from benchmarks import shapes
 from benchmarks.measure import make_step, measure, warm_up_process, without_te_gpu
+from te_v2_executor.passes import OPTIONAL
 
 MODELS = {
     "8b": dict(
@@ -83,6 +84,17 @@ def _te_v2(model: torch.nn.Module) -> Callable:
     from te_v2_executor import executors
 
     return _thunderfx(executors=executors())(model)
+
+
+def _te_v2_without(pass_name: str) -> Callable[[torch.nn.Module], Callable]:
+    """The default list with a te_v2 that skips the optional pass ``pass_name``."""
+
+    def build(model: torch.nn.Module) -> Callable:
+        from te_v2_executor import executors, make_te_v2
+
+        return _thunderfx(executors=executors(make_te_v2(skip_passes=[pass_name])))(model)
+
+    return build
 
 
 def _te_v2_thunder_defaults(model: torch.nn.Module) -> Callable:
@@ -149,10 +161,12 @@ VARIANTS: dict[str, tuple[Callable[[torch.nn.Module], Callable], bool]] = {
     "thunderfx + built-in TE": (_builtin_te, True),
     "thunderfx + te_v2": (_te_v2, True),
 }
-# Ablations of the default list, for choosing it: run with --variants.
+# Ablations of the default list, for choosing it, and of each optional pass, for keeping it: run
+# with --variants.
 ABLATIONS = {
     "thunderfx + te_v2, Thunder's default executors": (_te_v2_thunder_defaults, True),
     "thunderfx + te_v2, sdpa then torch.compile": (_te_v2_sdpa_first, True),
+    **{f"thunderfx + te_v2 without {name}": (_te_v2_without(name), True) for name in OPTIONAL},
 }
 
 

@@ -7,7 +7,10 @@ graphs: what they do is decided in Python on every call (an open ``quantization_
 holds the update back; the ``te.autocast`` amax group picks the all-reduce), and a capture would
 freeze the decision of the first step. The flush symbols refuse to be captured, so Thunder's
 plain ``CUDAGraphTransform`` fails with an error naming this transform instead of updating the
-state wrongly.
+state wrongly. Forwards the backward recomputes with the scales the forward sync snapshot
+(activation checkpointing under delayed scaling) run eagerly too: replayed from a capture, their
+copies came out wrong from the second step on. For the same reason the ``weight_recasts`` pass
+is off under CUDA graphs, and the forward keeps the FP8 weight copies.
 
     jitted = thunder.jit(model, executors=[te_v2, torch_compile_ex], transforms=[TEv2CUDAGraphTransform()])
 """
@@ -17,7 +20,7 @@ from __future__ import annotations
 from thunder.core.symbol import BoundSymbol
 from thunder.transforms.cudagraph import CUDAGraphTransform
 
-from te_v2_executor.symbols import SYNC_SYMBOLS
+from te_v2_executor.symbols import SYNC_SYMBOLS, arg, is_recompute
 
 
 class TEv2CUDAGraphTransform(CUDAGraphTransform):
@@ -29,6 +32,6 @@ class TEv2CUDAGraphTransform(CUDAGraphTransform):
     """
 
     def can_fuse(self, bsym: BoundSymbol) -> bool:
-        if bsym.sym in SYNC_SYMBOLS:
+        if bsym.sym in SYNC_SYMBOLS or (is_recompute(bsym) and arg(bsym, "replay") is not None):
             return False
         return super().can_fuse(bsym)

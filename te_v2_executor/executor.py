@@ -18,6 +18,7 @@ from thunder.core.compile_data import get_compile_data
 from thunder.core.symbol import BoundSymbol
 from thunder.core.trace import TraceCtx
 from thunder.extend import Executor, FusionExecutor
+from thunder.transforms.cudagraph import CUDAGraphTransform
 
 from te_v2_executor import passes, report
 from te_v2_executor.backends import Backend
@@ -105,6 +106,9 @@ class TEv2Executor(FusionExecutor):
             registry=registry_for(compile_data),
             grad_enabled=compile_data.is_grad_enabled if compile_data is not None else True,
             fusers=self._later_fusers(compile_data),
+            graphed=any(
+                isinstance(t, CUDAGraphTransform) for t in getattr(compile_data, "transforms", None) or ()
+            ),
         )
         new_trace = passes.run(trace, context, skip=self.config.skip_passes)
         report.record(compile_data, new_trace, report.report_from_trace(new_trace, decided))

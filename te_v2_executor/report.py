@@ -29,6 +29,7 @@ from te_v2_executor.symbols import (
     UNQUANTIZED_SYMBOLS,
     arg,
     in_backward,
+    is_recast,
     is_recompute,
     is_thunder_linear,
 )
@@ -45,6 +46,7 @@ class LinearReport:
     unquantized: str = ""  # the claim-policy rule te_v2 runs it without FP8 by, "" if in FP8
     saves_input_t: bool = False  # forward keeps the column-wise FP8 copy of x (for wgrad)
     saves_weight_t: bool = False  # forward keeps the column-wise FP8 copy of W (for dgrad)
+    recasts_weight_t: bool = False  # the backward casts W again for dgrad instead (passes/recasts.py)
     dgrad: bool = False
     wgrad: bool = False
     bgrad: bool = False  # an FP8 linear's; an unquantized one's bias grad is Thunder's own sum
@@ -54,6 +56,19 @@ class LinearReport:
     @property
     def claimed(self) -> bool:
         return not self.fallback
+
+
+_HEADER = (
+    "linear",
+    "recipe",
+    "dgrad",
+    "wgrad",
+    "bgrad",
+    "saves x^T",
+    "saves W^T",
+    "recasts W^T",
+    "recomputed",
+)
 
 
 @dataclass(frozen=True)
@@ -66,7 +81,7 @@ class Report:
         def mark(flag: bool) -> str:
             return "yes" if flag else "-"
 
-        rows = [("linear", "recipe", "dgrad", "wgrad", "bgrad", "saves x^T", "saves W^T", "recomputed")]
+        rows = [_HEADER]
         notes = []
         for r in self.linears:
             if r.claimed:
@@ -82,6 +97,7 @@ class Report:
                                 r.bgrad,
                                 r.saves_input_t,
                                 r.saves_weight_t,
+                                r.recasts_weight_t,
                                 r.recomputed,
                             )
                         ),
@@ -90,7 +106,7 @@ class Report:
                 if r.unquantized:
                     notes.append(f"  {r.name}: {r.operation} runs unquantized: {r.unquantized}")
             else:
-                rows.append((r.name, "fallback", *("n/a",) * 6))
+                rows.append((r.name, "fallback", *("n/a",) * (len(_HEADER) - 2)))
                 notes.append(f"  {r.name}: {r.operation} runs on Thunder's default path: {r.fallback}")
         widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
         lines = [
@@ -122,7 +138,9 @@ def _claimed_linears(trace: TraceCtx) -> dict[Any, dict[str, Any]]:
         state = bsym.kwargs["state"]
         site = sites.setdefault(id(state), {"state": state})
         if bsym.sym is LINEAR_FWD:
-            if is_recompute(bsym):
+            if is_recast(bsym):
+                site["recasts_weight_t"] = True
+            elif is_recompute(bsym):
                 site["recomputed"] = True
             else:
                 site.update(

@@ -48,6 +48,7 @@ def _flat_shape(t: TensorProxy) -> tuple[int, int]:
 # the forward sync took before updating them, and the row of this linear in it; it quantizes
 # exactly as the original forward did and records no amax.
 # ``gelu``: x is the input of an exact GELU whose output the linear reads (``passes/gelu.py``).
+# A forward that only saves the weight's copy takes no x (a recast, ``passes/recasts.py``).
 
 
 def _linear_fwd_meta(
@@ -63,7 +64,7 @@ def _linear_fwd_impl(
     x, w, bias, *, state, compute_output, save_input, save_weight, gelu=False, replay=None, replay_row=0
 ):
     if replay is None:
-        scaling = state.forward_scaling(x.device)
+        scaling = state.forward_scaling(w.device)
     else:
         scaling = state.numerics.ScalingState.replaying(state.recipe, replay[replay_row])
     y, x_saved, w_saved = state.numerics.linear_fwd(
@@ -310,6 +311,11 @@ def in_backward(bsym: BoundSymbol) -> bool:
 def is_recompute(bsym: BoundSymbol) -> bool:
     """A forward copy Thunder placed in the backward to recompute a checkpointed region."""
     return bsym.sym is LINEAR_FWD and in_backward(bsym)
+
+
+def is_recast(bsym: BoundSymbol) -> bool:
+    """A backward forward that only casts the weight for its dgrads (``passes/recasts.py``)."""
+    return is_recompute(bsym) and arg(bsym, "x") is None
 
 
 def is_forward_linear(bsym: BoundSymbol) -> bool:

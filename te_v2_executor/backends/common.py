@@ -41,7 +41,7 @@ class KernelBackend(Protocol):
 
     def linear_fwd(
         self,
-        x: torch.Tensor,
+        x: torch.Tensor | None,
         w: torch.Tensor,
         bias: torch.Tensor | None,
         scaling: Any,
@@ -51,7 +51,8 @@ class KernelBackend(Protocol):
         save_weight: bool,
         gelu: bool = False,
     ) -> tuple[torch.Tensor | None, Any, Any]:
-        """y = x W^T + b and the column-wise FP8 copies of x and W the backward reads."""
+        """y = x W^T + b and the column-wise FP8 copies of x and W the backward reads; x is None
+        when only W's copy is wanted."""
         ...
 
     def quantize_grad_output(

@@ -157,7 +157,7 @@ def _bias_add(y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
 
 
 def linear_fwd(
-    x: torch.Tensor,
+    x: torch.Tensor | None,
     w: torch.Tensor,
     bias: torch.Tensor | None,
     scaling: ScalingState,
@@ -169,13 +169,16 @@ def linear_fwd(
 ) -> tuple[torch.Tensor | None, ReferenceQuantizedTensor | None, ReferenceQuantizedTensor | None]:
     """Forward GEMM y = x W^T + b, and the column-wise FP8 copies the backward needs.
 
-    ``compute_output`` False (a recomputed forward whose y nobody reads) only quantizes. ``gelu``:
-    the GEMM's input is gelu(x), rounded to x's dtype as PyTorch's GELU returns it.
+    ``compute_output`` False (a recomputed forward whose y nobody reads) only quantizes; x is
+    not read unless y or its copy is wanted. ``gelu``: the GEMM's input is gelu(x), rounded to
+    x's dtype as PyTorch's GELU returns it.
     """
-    x2d = as_matrix(x)
-    if gelu:
-        x2d = torch.nn.functional.gelu(x2d)
-    xq = _quantize(x2d, scaling, 0, weight=False, rowwise=compute_output, columnwise=save_input)
+    xq = None
+    if compute_output or save_input:
+        x2d = as_matrix(x)
+        if gelu:
+            x2d = torch.nn.functional.gelu(x2d)
+        xq = _quantize(x2d, scaling, 0, weight=False, rowwise=compute_output, columnwise=save_input)
     wq = None
     if compute_output or save_weight:
         wq = _quantize(w, scaling, 1, weight=True, rowwise=compute_output, columnwise=save_weight)

@@ -180,7 +180,7 @@ def _gelu_quantize(
 
 
 def linear_fwd(
-    x: torch.Tensor,
+    x: torch.Tensor | None,
     w: torch.Tensor,
     bias: torch.Tensor | None,
     scaling: ScalingState,
@@ -192,24 +192,27 @@ def linear_fwd(
 ) -> tuple[torch.Tensor | None, Any, Any]:
     """Forward GEMM y = x W^T + b, and the column-wise FP8 copies the backward needs.
 
-    ``compute_output`` False (a recomputed forward whose y nobody reads) only quantizes. ``gelu``:
-    the GEMM's input is gelu(x), computed within the quantization where the recipe allows.
+    ``compute_output`` False (a recomputed forward whose y nobody reads) only quantizes; x is
+    not read unless y or its copy is wanted. ``gelu``: the GEMM's input is gelu(x), computed
+    within the quantization where the recipe allows.
     """
     input_quantizer, weight_quantizer = scaling.quantizers
-    x2d = as_matrix(x)
-    if gelu and _gelu_fusable(input_quantizer, x2d):
-        xq = _gelu_quantize(
-            x2d,
-            None,
-            input_quantizer,
-            scaling.recipe,
-            rowwise=compute_output,
-            columnwise=save_input,
-            forward=True,
-        )
-    else:
-        input_quantizer.set_usage(rowwise=True, columnwise=save_input)
-        xq = _quantize(input_quantizer, torch.nn.functional.gelu(x2d) if gelu else x2d)
+    xq = None
+    if compute_output or save_input:
+        x2d = as_matrix(x)
+        if gelu and _gelu_fusable(input_quantizer, x2d):
+            xq = _gelu_quantize(
+                x2d,
+                None,
+                input_quantizer,
+                scaling.recipe,
+                rowwise=compute_output,
+                columnwise=save_input,
+                forward=True,
+            )
+        else:
+            input_quantizer.set_usage(rowwise=True, columnwise=save_input)
+            xq = _quantize(input_quantizer, torch.nn.functional.gelu(x2d) if gelu else x2d)
     wq = None
     if compute_output or save_weight:
         weight_quantizer.set_usage(rowwise=True, columnwise=save_weight)

@@ -23,6 +23,7 @@ from te_v2_executor.passes import (
     casts,
     consumption,
     gelu,
+    recasts,
     scales,
     stale_reads,
     states,
@@ -44,6 +45,7 @@ class Context:
     registry: StateRegistry  # the compiled function's quantization states
     grad_enabled: bool  # grad mode when the function was traced
     fusers: list[FusionExecutor]  # the fusion executors listed after te_v2
+    graphed: bool = False  # a CUDA graph transform captures the traces
 
 
 @dataclass(frozen=True)
@@ -80,6 +82,16 @@ PIPELINE: tuple[Pass, ...] = (
         "each forward and dy quantization builds only what its readers read",
         "before the syncs and folds, whose decisions read what each forward produces",
         "Thunder's dead-code elimination has removed every unconsumed gradient",
+    ),
+    Pass(
+        "weight_recasts",
+        lambda trace, context: trace if context.graphed else recasts.recast_weights(trace),
+        "dgrads cast their parameter again in the backward, so the forward saves no FP8 copy of it",
+        "after consumption, which decides the copies kept; before the syncs, which give each recast "
+        "the scale its forward used",
+        "each forward saves exactly the copies its readers read; no CUDA graphs, which would have "
+        "to run each recast outside them",
+        optional=True,
     ),
     Pass(
         "syncs",

@@ -162,6 +162,11 @@ class Writes:
         lo, hi = min(a, b), max(a, b)
         return not any(lo < k < hi for k in self._write_positions(p))
 
+    def any_written(self, ps: Iterable[Any], a: int, b: int) -> bool:
+        """Whether a bound symbol strictly between positions ``a`` and ``b`` writes into the
+        storage of any of ``ps``."""
+        return not all(self.unchanged(p, a, b) for p in ps)
+
     def ever_written(self, p: Any) -> bool:
         """Whether any bound symbol writes into ``p``'s storage."""
         return bool(self._write_positions(p))

@@ -1,12 +1,17 @@
 """Pass ``widenings``: the backward recomputes an exact widening it reads (and the views of it it
-reads), so that the forward saves the narrow tensor instead of its wide copy.
+reads, and their log-softmax), so that the forward saves the narrow tensor instead of its wide
+copy.
 
 A Hugging Face model widens several bfloat16 activations to float32 in the forward: RMSNorm's
-input and, under peft (whose adapters are float32 by default), the input of every LoRA adapter.
-The backward reads the float32 copies, or views of them, so Thunder's split saves them between
-forward and backward at twice the bytes of the bfloat16 tensors they were cast from. The cast is
-exact and a view copies nothing, so computing them again in the backward gives the same values;
-the fusion executor folds them into the backward region that reads them.
+input, the logits its loss reads and, under peft (whose adapters are float32 by default), the
+input of every LoRA adapter. The backward reads the float32 copies, or views of them, so
+Thunder's split saves them between forward and backward at twice the bytes of the bfloat16
+tensors they were cast from. The cast is exact and a view copies nothing, so computing them
+again in the backward gives the same values; the fusion executor folds them into the backward
+region that reads them. The cross-entropy's backward reads the float32 log-softmax of the
+logits, over the whole vocabulary: recomputed from the bfloat16 logits, it costs one more pass
+over them in the backward and saves half the bytes, with values that may differ in the last
+float32 bit where the fuser reduces in another order.
 """
 
 from __future__ import annotations
@@ -23,21 +28,24 @@ from te_v2_executor.passes._trace import exact_widening
 from te_v2_executor.passes._writes import Writes
 from te_v2_executor.symbols import in_backward
 
-# Ops that give another view of their one tensor input, by name (Thunder's torch, prims and
-# torch-executor versions share it): recomputed after the widening they view.
-_VIEWS = {"expand", "broadcast_in_dim", "reshape", "view", "unsqueeze", "squeeze", "transpose", "permute"}
+# Ops of one tensor input recomputed after the widening they read, by name (Thunder's torch, prims
+# and torch-executor versions share it): views of it, and the log-softmax a cross-entropy saves.
+_RECOMPUTED = {
+    *("expand", "broadcast_in_dim", "reshape", "view", "unsqueeze", "squeeze", "transpose", "permute"),
+    "log_softmax",
+}
 
 
 def _chain(p: TensorProxy, producers: Any) -> list[BoundSymbol]:
     """The forward ops that make ``p`` from a narrower tensor: an exact widening, then views of its
-    output; empty when ``p`` is made otherwise."""
+    output or their log-softmax; empty when ``p`` is made otherwise."""
     chain: list[BoundSymbol] = []
     while (producer := producers.get(p, None)) is not None and not in_backward(producer):
         chain.insert(0, producer)
         if exact_widening(producer):
             return chain
         tensors = [a for a in producer.flat_proxy_args if isinstance(a, TensorProxy)]
-        if producer.sym.name not in _VIEWS or len(tensors) != 1:
+        if producer.sym.name not in _RECOMPUTED or len(tensors) != 1:
             return []
         p = tensors[0]
     return []
@@ -58,12 +66,12 @@ class _Recomputation:
 
     def _allowed(self, chain: list[BoundSymbol], readers: list[BoundSymbol]) -> bool:
         """Whether ``readers`` may read copies of ``chain`` made where the first of them stands:
-        the narrow input holds the same values there, nothing writes the wide storage, and the
-        forward returns none of the chain's tensors (a returned tensor is kept anyway)."""
+        the narrow input holds the same values there, nothing writes the chain's tensors, and the
+        forward returns none of them (a returned tensor is kept anyway)."""
         cast = chain[0]
         return (
             all(b.output.name not in self.returned for b in chain)
-            and not self.writes.ever_written(cast.output)
+            and not any(self.writes.ever_written(b.output) for b in chain)
             and self.writes.reaches(cast.args[0], self.writes.position(cast), readers)
         )
 

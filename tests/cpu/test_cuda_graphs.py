@@ -12,17 +12,20 @@ import torch
 from thunder.core import prims
 from thunder.transforms.cudagraph import CUDAGraphTransform
 
-from te_v2_executor import TEv2CUDAGraphTransform
-from te_v2_executor.symbols import BACKWARD_SYNC, FORWARD_SYNC
-from tests.helpers import backward_trace, forward_trace
-from tests.models import LoRAStack
+from te_v2_executor import TEv2CUDAGraphTransform, make_te_v2
+from te_v2_executor.symbols import BACKWARD_SYNC, FORWARD_SYNC, LINEAR_FWD, arg
+from tests.helpers import CLAIM_ALL, backward_trace, forward_trace
+from tests.models import Checkpointed, LoRAStack
 
 DIM, TOKENS = 64, 32
 _OUTSIDE = {prims.PrimIDs.UNPACK_TRIVIAL, prims.PrimIDs.UNPACK_SEQUENCE, prims.PrimIDs.RETURN}
 
 
-def _trained(reference_te_v2):
-    jitted = thunder.jit(LoRAStack([DIM] * 3, rank=16), executors=[reference_te_v2])
+def _trained(model=None):
+    """A trained step's traces, by a te_v2 without ``weight_recasts``, as under the transform,
+    which switches the pass off."""
+    te_v2 = make_te_v2(backend="reference", claim=CLAIM_ALL, skip_passes=["weight_recasts"])
+    jitted = thunder.jit(model or LoRAStack([DIM] * 3, rank=16), executors=[te_v2])
     jitted(torch.randn(TOKENS, DIM)).sum().backward()
     return jitted
 
@@ -38,8 +41,8 @@ def _top_level_work(trace) -> list:
     ]
 
 
-def test_graphs_hold_everything_but_the_flushes(reference_te_v2):
-    jitted = _trained(reference_te_v2)
+def test_graphs_hold_everything_but_the_flushes():
+    jitted = _trained()
     transform = TEv2CUDAGraphTransform()
     fwd = transform.transform_trace_post_optimization(forward_trace(jitted))
     bwd = transform.transform_trace_post_optimization(backward_trace(jitted))
@@ -49,11 +52,23 @@ def test_graphs_hold_everything_but_the_flushes(reference_te_v2):
         assert [b for b in trace.bound_symbols if b.sym.name.startswith("CUDAGraph")]
 
 
-def test_thunders_plain_transform_would_capture_the_flushes(reference_te_v2):
+def test_thunders_plain_transform_would_capture_the_flushes():
     """Why the subclass exists: the parent class puts the flush inside a graph."""
-    jitted = _trained(reference_te_v2)
+    jitted = _trained()
     fwd = CUDAGraphTransform().transform_trace_post_optimization(forward_trace(jitted))
     assert FORWARD_SYNC not in _top_level_work(fwd)
+
+
+def test_recomputed_forwards_run_outside_the_graphs():
+    """A checkpointed linear's recomputed forward quantizes with the scales the forward sync
+    snapshot; captured, its copies came out wrong from the second replay on."""
+    jitted = _trained(Checkpointed(DIM))
+    transform = TEv2CUDAGraphTransform()
+    transform.transform_trace_post_optimization(forward_trace(jitted))
+    bwd = transform.transform_trace_post_optimization(backward_trace(jitted))
+    outside = [b for b in bwd.bound_symbols if b.sym is LINEAR_FWD]
+    assert outside and all(arg(b, "replay") is not None for b in outside)
+    assert [b for b in bwd.bound_symbols if b.sym.name.startswith("CUDAGraph")]
 
 
 def test_a_flush_refuses_to_be_captured(reference_te_v2, monkeypatch):

@@ -26,6 +26,7 @@ from te_v2_executor.symbols import (
     UNQUANTIZED_FWD,
     UNQUANTIZED_WGRAD,
     arg,
+    is_recast,
 )
 from tests.helpers import CLAIM_ALL, backward_trace, bsyms_of, forward_trace
 from tests.models import Checkpointed, LoRALinear, LoRAStack, Stack, TwoOutputs, every_even, grads
@@ -67,7 +68,19 @@ def test_seed_case_runs_only_consumed_gradients(reference_te_v2, input_requires_
     for i in range(4):
         kw = fwd[f"t_linears_{i}_weight"]
         assert kw["save_input"] is (i % 2 == 1), f"x^T of linear {i}"
-        assert kw["save_weight"] is needs_dgrad[i], f"W^T of linear {i}"
+        assert not kw["save_weight"], f"W^T of linear {i} is cast in the backward"
+    assert _weight_names(bsyms_of(bwd, LINEAR_FWD)) == expected_dgrad
+    assert all(map(is_recast, bsyms_of(bwd, LINEAR_FWD)))
+
+
+def test_saved_weight_copies_are_those_dgrads_read():
+    """Without ``weight_recasts``, each forward saves W^T exactly where a dgrad reads it."""
+    model = Stack([DIM] * 5, frozen=every_even)
+    te_v2 = make_te_v2(backend="reference", claim=CLAIM_ALL, skip_passes=["weight_recasts"])
+    jitted = _step(model, [te_v2], torch.randn(TOKENS, DIM))
+    fwd = {b.kwargs["state"].name: b.kwargs for b in bsyms_of(forward_trace(jitted), LINEAR_FWD)}
+    assert [fwd[f"t_linears_{i}_weight"]["save_weight"] for i in range(4)] == [False, False, True, True]
+    assert not bsyms_of(backward_trace(jitted), LINEAR_FWD)
 
 
 def test_seed_case_report(reference_te_v2):

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from te_v2_executor import make_te_v2
 from tests.helpers import forward_trace
 
-TOKENS, DIM, RANK, VOCAB = 32, 64, 16, 128
+TOKENS, DIM, RANK, VOCAB = 32, 64, 16, 128  # TOKENS <= VOCAB: token i's label is i
 
 
 class HFLike(torch.nn.Module):
@@ -84,3 +84,34 @@ def test_the_backward_recomputes_widenings_with_the_same_gradients(write_after_c
     assert grads.keys() == plain_grads.keys()
     for name, grad in grads.items():
         torch.testing.assert_close(grad, plain_grads[name], rtol=0, atol=0, msg=name)
+
+
+class WithLoss(HFLike):
+    """HFLike with its loss inside, as Hugging Face's causal LM computes it: the cross-entropy of
+    the float32 logits, whose backward reads their log-softmax."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = super().forward(x).float()
+        return F.cross_entropy(logits, torch.arange(TOKENS))
+
+
+def _saved_of_shape(jitted, shape: tuple[int, ...]) -> list[thunder.dtypes.dtype]:
+    saved = thunder.core.pytree.tree_flatten(forward_trace(jitted).bound_symbols[-1].args[1])[0]
+    return [p.dtype for p in saved if isinstance(p, thunder.core.proxies.TensorProxy) and p.shape == shape]
+
+
+def test_the_backward_recomputes_the_log_softmax_of_widened_logits():
+    model = WithLoss()
+    twin = copy.deepcopy(model)
+    torch.manual_seed(0)
+    x = torch.randn(TOKENS, DIM, dtype=torch.bfloat16)
+    jitted = thunder.jit(model, executors=[make_te_v2(backend="reference")])
+    jitted(x).backward()
+    plain = thunder.jit(twin, executors=[make_te_v2(backend="reference", skip_passes=["widenings"])])
+    plain(x).backward()
+    # the float32 log-softmax over the vocabulary, or the bfloat16 logits it is computed from
+    assert _saved_of_shape(plain, (TOKENS, VOCAB)) == [thunder.float32]
+    assert _saved_of_shape(jitted, (TOKENS, VOCAB)) == [thunder.bfloat16]
+    for (name, p), q in zip(model.named_parameters(), twin.parameters(), strict=True):
+        if p.grad is not None:
+            torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0, msg=name)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import thunder
@@ -77,12 +78,12 @@ def train_step_gemms(fn: Callable, x: torch.Tensor, recipe) -> tuple[int, list[s
 
 
 @functools.cache
-def te_v2_claiming_all():
+def te_v2_claiming_all(**options) -> Any:
     """A te_v2 that follows te.autocast and claims every linear TE can run (the test models are
-    below the default claim policy's threshold)."""
+    below the default claim policy's threshold); ``options`` as ``make_te_v2`` takes them."""
     from te_v2_executor import make_te_v2
 
-    return make_te_v2(claim=CLAIM_ALL)
+    return make_te_v2(claim=CLAIM_ALL, **options)
 
 
 def jit_te_v2(model: torch.nn.Module, *fusers) -> Callable:

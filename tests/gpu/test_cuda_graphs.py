@@ -95,6 +95,35 @@ def test_graphs_replay_exactly_what_the_trace_computes(scenario, fuser):
     assert train_step_gemms(graphed, x, recipe)[0] == train_step_gemms(plain, x, recipe)[0]
 
 
+class _Checkpointed(torch.nn.Module):
+    """Two linears under ``torch.utils.checkpoint`` before two more: the backward recomputes them
+    with the scales the forward sync snapshot."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner, self.outer = (
+            Stack([DIM] * 3, factory=torch_linear),
+            Stack([DIM] * 3, factory=torch_linear),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        return self.outer(checkpoint(self.inner, x, use_reentrant=False))
+
+
+def test_graphs_replay_checkpointed_linears_exactly():
+    recipe = delayed_recipe()
+    model = _Checkpointed().to(device="cuda", dtype=DTYPE)
+    graphed_model = copy.deepcopy(model)
+    xs = [torch.randn(TOKENS, DIM, device="cuda", dtype=DTYPE) for _ in range(STEPS)]
+    expected = _train(jit_te_v2(model), model, xs, recipe)
+    got = _train(_graphed(graphed_model, []), graphed_model, xs, recipe)
+    for step, (want, have) in enumerate(zip(expected, got, strict=True)):
+        for a, b in zip(want, have, strict=True):
+            torch.testing.assert_close(b, a, rtol=0, atol=0, msg=f"step {step}")
+
+
 def test_update_scope_holds_back_the_updates_of_graphed_passes():
     """The flushes run outside the graphs, so the scope decides on every call, not once at capture."""
     import transformer_engine.pytorch as te

@@ -6,7 +6,7 @@ import pytest
 import thunder
 import torch
 
-from tests.gpu.common import DTYPE, builtin_executors, jit_te_v2, requires_te_gpu, torch_linear
+from tests.gpu.common import DTYPE, builtin_executors, requires_te_gpu, te_v2_claiming_all, torch_linear
 from tests.helpers import saved_nbytes
 
 pytestmark = requires_te_gpu
@@ -14,14 +14,17 @@ pytestmark = requires_te_gpu
 IN, OUT, TOKENS = 4096, 4096, 4096
 
 
-def _saved_bytes(fn, x, recipe) -> int:
+def _saved_bytes(fn, x, recipe, parameters) -> int:
+    """Bytes saved for the backward, less the parameters: those are alive anyway."""
     import transformer_engine.pytorch as te
 
     total = 0
+    alive = {p.data_ptr() for p in parameters}
 
     def pack(t):
         nonlocal total
-        total += saved_nbytes(t)
+        if t.data_ptr() not in alive:
+            total += saved_nbytes(t)
         return t
 
     with (
@@ -33,24 +36,28 @@ def _saved_bytes(fn, x, recipe) -> int:
 
 
 @pytest.mark.parametrize(
-    ("weight_trains", "input_grad", "expected"),
+    ("weight_trains", "input_grad", "skip", "expected"),
     [
-        (False, True, OUT * IN),  # frozen weight: only W^T in FP8 (plus its scale)
-        (True, False, TOKENS * IN),  # first layer: only x^T in FP8
+        (False, True, (), 0),  # frozen weight: its W^T is cast again in the backward
+        (False, True, ("weight_recasts",), OUT * IN),  # ... or saved, in FP8 (plus its scale)
+        (True, False, (), TOKENS * IN),  # first layer: only x^T in FP8
     ],
-    ids=["frozen-weight", "first-layer"],
+    ids=["frozen-weight", "frozen-weight-saved", "first-layer"],
 )
-def test_saves_less_than_the_builtin_executor(weight_trains, input_grad, expected):
+def test_saves_less_than_the_builtin_executor(weight_trains, input_grad, skip, expected):
     import transformer_engine.common.recipe as te_recipe
 
     recipe = te_recipe.DelayedScaling()
     model = torch_linear(IN, OUT, False).requires_grad_(weight_trains)
     x = torch.randn(TOKENS, IN, device="cuda", dtype=DTYPE, requires_grad=input_grad)
-    ours = _saved_bytes(jit_te_v2(model), x, recipe)
+    te_v2 = te_v2_claiming_all(skip_passes=skip)
+    ours = _saved_bytes(thunder.jit(model, executors=[te_v2]), x, recipe, model.parameters())
     executors, transforms = builtin_executors()
-    theirs = _saved_bytes(thunder.jit(model, executors=executors, transforms=transforms), x, recipe)
+    builtin = thunder.jit(model, executors=executors, transforms=transforms)
+    theirs = _saved_bytes(builtin, x, recipe, model.parameters())
     print(
-        f"\n[{'frozen W' if not weight_trains else 'no input grad'}] saved for backward per linear: te_v2 {ours / 2**20:.1f} MiB, built-in {theirs / 2**20:.1f} MiB"
+        f"\n[{'frozen W' if not weight_trains else 'no input grad'}{', W^T saved' if skip else ''}] saved for "
+        f"backward per linear beyond the parameters: te_v2 {ours / 2**20:.1f} MiB, built-in {theirs / 2**20:.1f} MiB"
     )
     assert expected <= ours < expected + 1024
     assert ours < theirs
