@@ -9,8 +9,9 @@ freeze the decision of the first step. The flush symbols refuse to be captured, 
 plain ``CUDAGraphTransform`` fails with an error naming this transform instead of updating the
 state wrongly. Forwards the backward recomputes with the scales the forward sync snapshot
 (activation checkpointing under delayed scaling) run eagerly too: replayed from a capture, their
-copies came out wrong from the second step on. For the same reason the ``weight_recasts`` pass
-is off under CUDA graphs, and the forward keeps the FP8 weight copies.
+copies came out wrong from the second step on. The ``weight_recasts`` pass is off under CUDA
+graphs, where each of its casts would run between graphs: the forward keeps the FP8 weight
+copies.
 
     jitted = thunder.jit(model, executors=[te_v2, torch_compile_ex], transforms=[TEv2CUDAGraphTransform()])
 """
@@ -20,11 +21,12 @@ from __future__ import annotations
 from thunder.core.symbol import BoundSymbol
 from thunder.transforms.cudagraph import CUDAGraphTransform
 
-from te_v2_executor.symbols import SYNC_SYMBOLS, arg, is_recompute
+from te_v2_executor.symbols import LINEAR_FWD, SYNC_SYMBOLS, arg
 
 
 class TEv2CUDAGraphTransform(CUDAGraphTransform):
-    """Thunder's CUDA graph transform, keeping te_v2's state flushes out of the graphs.
+    """Thunder's CUDA graph transform, keeping te_v2's state flushes and replayed forwards out of
+    the graphs.
 
     As with Thunder's transform, outputs (the forward's result, saved activations, gradients
     before autograd copies them into ``.grad``) live in the graphs' static buffers and are
@@ -32,6 +34,6 @@ class TEv2CUDAGraphTransform(CUDAGraphTransform):
     """
 
     def can_fuse(self, bsym: BoundSymbol) -> bool:
-        if bsym.sym in SYNC_SYMBOLS or (is_recompute(bsym) and arg(bsym, "replay") is not None):
+        if bsym.sym in SYNC_SYMBOLS or (bsym.sym is LINEAR_FWD and arg(bsym, "replay") is not None):
             return False
         return super().can_fuse(bsym)

@@ -314,7 +314,7 @@ def is_recompute(bsym: BoundSymbol) -> bool:
 
 
 def is_recast(bsym: BoundSymbol) -> bool:
-    """A backward forward that only casts the weight for its dgrads (``passes/recasts.py``)."""
+    """The backward's cast of a forward's weight alone, for its dgrads (``passes/recasts.py``)."""
     return is_recompute(bsym) and arg(bsym, "x") is None
 
 

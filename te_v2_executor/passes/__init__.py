@@ -89,8 +89,8 @@ PIPELINE: tuple[Pass, ...] = (
         "dgrads cast their parameter again in the backward, so the forward saves no FP8 copy of it",
         "after consumption, which decides the copies kept; before the syncs, which give each recast "
         "the scale its forward used",
-        "each forward saves exactly the copies its readers read; no CUDA graphs, which would have "
-        "to run each recast outside them",
+        "each forward saves exactly the copies its readers read; no CUDA graphs, which would run "
+        "each recast outside them",
         optional=True,
     ),
     Pass(
@@ -151,7 +151,8 @@ PIPELINE: tuple[Pass, ...] = (
     Pass(
         "widenings",
         lambda trace, context: widenings.recompute_widenings(trace),
-        "the backward recomputes the exact widenings it reads, so the narrow tensor is saved",
+        "the backward recomputes the exact widenings it reads (and their views and log-softmax), "
+        "so the narrow tensor is saved",
         "last: it moves the backward reads every other pass leaves",
         "the backward's bound symbols carry Thunder's backward tag, as its grad transform gives them",
         optional=True,

@@ -2,19 +2,22 @@
 forward saves no FP8 copy of it.
 
 A dgrad reads the column-wise FP8 copy of W. Saved by the forward, it holds a byte per weight
-from forward to backward, for every linear whose input needs a gradient (all of them under LoRA
-and in full fine-tuning), next to the parameter itself, which is alive anyway; torchao's float8
-casts the weight again in the backward instead. Here the backward gets a forward of the weight
-alone (``te_v2_linear_fwd`` with no input and no output, only the weight's copy) tagged as
-backward, like an activation checkpoint's recomputed forward: the forward sync hands it the
-scale the forward quantized with, so that its copy is bitwise the one the forward would have
-saved.
+from forward to backward, for every linear whose input needs a gradient (under LoRA and in full
+fine-tuning, every projection but the first layer's), next to the parameter itself, which is
+alive anyway; torchao's float8 casts the weight again in the backward instead. Here the backward
+gets a cast of the weight alone (``te_v2_linear_fwd`` with no input and no output, only the
+weight's copy) tagged as backward, like an activation checkpoint's recomputed forward: the
+forward sync hands it the scale the forward quantized with, so that its copy is bitwise the one
+the forward would have saved.
 
-Only parameters are recast (Thunder tags their proxies ``STATIC_MEMORY_LOCATION``): the caller
-keeps them alive, while another tensor would be kept alive for the backward at twice the bytes
-of its FP8 copy. Where the trace writes into any of its inputs between a forward and its last
-dgrad, the copy is saved: inputs may share storage without Thunder knowing (a buffer that is a
-view of a weight), so a write into one may change another. A parameter written in place outside
+Only weights the trace reads as they were passed in, parameters and buffers (Thunder tags their
+proxies ``STATIC_MEMORY_LOCATION``), are recast: the caller keeps them alive, while another
+tensor would be kept alive for the backward at least twice the bytes of its FP8 copy. A weight
+read through a cast (float32 parameters under ``torch.autocast``) or a slice keeps its saved
+copy. So does every weight where the trace writes into any of its inputs after the forward:
+inputs may share storage without Thunder knowing (a buffer that is a view of a weight), so a
+write into one may change another, and Thunder's split may move a write of the backward into
+the forward. A parameter written in place outside
 the trace between forward and backward makes PyTorch's check of saved tensors raise, as in eager
 mode; one written through ``.data``, which that check cannot see, is read with its new values,
 as eager autograd reads it.
@@ -34,15 +37,15 @@ from te_v2_executor.passes._writes import Writes
 from te_v2_executor.symbols import LINEAR_FWD, arg, in_backward, with_args
 
 
-def _parameter(w: TensorProxy, producers: Any) -> bool:
-    """Whether ``w`` is a parameter the trace unpacks from its inputs."""
+def _is_parameter(w: TensorProxy, producers: Any) -> bool:
+    """Whether ``w`` is a parameter or buffer the trace unpacks from its inputs."""
     producer = producers.get(w, None)
     made_here = producer is not None and producer.sym.id is not prims.PrimIDs.UNPACK_TRIVIAL
     return not made_here and ProxyTag.STATIC_MEMORY_LOCATION in w.tags
 
 
 def _recast(fwd: BoundSymbol, trace: TraceCtx) -> BoundSymbol:
-    """A backward forward of ``fwd``'s weight alone: its column-wise FP8 copy, in a new proxy."""
+    """The backward's cast of ``fwd``'s weight alone: its column-wise FP8 copy, in a new proxy."""
     w_saved = fwd.output[2]
     with tracectx(trace):
         copy, marker = TensorProxy(like=w_saved), AnyProxy(None, prefix="amax_ready")
@@ -62,11 +65,12 @@ def _recast(fwd: BoundSymbol, trace: TraceCtx) -> BoundSymbol:
 
 def recast_weights(trace: TraceCtx) -> TraceCtx:
     """Have each dgrad of a parameter's linear read a copy cast in the backward, before the first
-    of its readers, rather than one the forward saved."""
+    of its readers, rather than one the forward saved (see the module docstring for which)."""
     producers, consumers = utils.producers(trace), utils.consumers(trace)
     writes = Writes(trace)
-    inputs = [b.output for b in trace.bound_symbols if b.sym.id is prims.PrimIDs.UNPACK_TRIVIAL]
-    inputs = [p for p in inputs if isinstance(p, TensorProxy)]
+    unpacked = (b.output for b in trace.bound_symbols if b.sym.id is prims.PrimIDs.UNPACK_TRIVIAL)
+    inputs = [p for p in unpacked if isinstance(p, TensorProxy)]
+    end = len(trace.bound_symbols)
     swapped: dict[int, BoundSymbol] = {}  # id of a bound symbol -> its replacement
     inserted: dict[int, list[BoundSymbol]] = {}  # position -> recasts placed before it
     for at, bsym in enumerate(trace.bound_symbols):
@@ -75,10 +79,10 @@ def recast_weights(trace: TraceCtx) -> TraceCtx:
         w, w_saved = arg(bsym, "w"), bsym.output[2]
         readers = consumers.get(w_saved, [])
         if (
-            not _parameter(w, producers)
+            not _is_parameter(w, producers)
             or not readers
             or not all(map(in_backward, readers))
-            or writes.any_written(inputs, at, max(map(writes.position, readers)))
+            or writes.any_written(inputs, at, end)
         ):
             continue
         recast = _recast(bsym, trace)
@@ -86,10 +90,8 @@ def recast_weights(trace: TraceCtx) -> TraceCtx:
         y, x_saved, _, amax_ready = bsym.output
         swapped[id(bsym)] = with_args(bsym, save_weight=False, output=(y, x_saved, None, amax_ready))
         swap = {variableify(w_saved): recast.output[2]}
-        for reader in readers:
-            swapped[id(reader)] = swapped.get(id(reader), reader).from_bsym_swap_proxies(
-                swap, skip_output=True
-            )
+        for reader in readers:  # dgrads, each reading one weight copy
+            swapped[id(reader)] = reader.from_bsym_swap_proxies(swap, skip_output=True)
     if not swapped:
         return trace
     bsyms = []

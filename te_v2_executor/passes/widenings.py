@@ -10,8 +10,8 @@ tensors they were cast from. The cast is exact and a view copies nothing, so com
 again in the backward gives the same values; the fusion executor folds them into the backward
 region that reads them. The cross-entropy's backward reads the float32 log-softmax of the
 logits, over the whole vocabulary: recomputed from the bfloat16 logits, it costs one more pass
-over them in the backward and saves half the bytes, with values that may differ in the last
-float32 bit where the fuser reduces in another order.
+over them in the backward and saves half the bytes, with values that may differ by a few float32
+ulps where the fuser sums the exponentials in another order.
 """
 
 from __future__ import annotations
@@ -28,10 +28,18 @@ from te_v2_executor.passes._trace import exact_widening
 from te_v2_executor.passes._writes import Writes
 from te_v2_executor.symbols import in_backward
 
-# Ops of one tensor input recomputed after the widening they read, by name (Thunder's torch, prims
-# and torch-executor versions share it): views of it, and the log-softmax a cross-entropy saves.
+# Ops of one tensor input recomputed after the widening they read, by name (which Thunder's torch
+# and torch-executor versions share, and the prims of the views): views of it, and the
+# log-softmax a cross-entropy saves.
 _RECOMPUTED = {
-    *("expand", "broadcast_in_dim", "reshape", "view", "unsqueeze", "squeeze", "transpose", "permute"),
+    "expand",
+    "broadcast_in_dim",
+    "reshape",
+    "view",
+    "unsqueeze",
+    "squeeze",
+    "transpose",
+    "permute",
     "log_softmax",
 }
 
@@ -97,8 +105,9 @@ class _Recomputation:
 
 
 def recompute_widenings(trace: TraceCtx) -> TraceCtx:
-    """Give the backward readers of each exact widening the forward computes, or of a view of it,
-    their own copy of it, placed before the first of them and tagged as backward."""
+    """Give the backward readers of each exact widening the forward computes, or of a view of it
+    or its log-softmax, their own copy of it, placed before the first of them and tagged as
+    backward."""
     consumers = utils.consumers(trace)
     new_trace = from_trace(trace)
     work = _Recomputation(trace, new_trace)

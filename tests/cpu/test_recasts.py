@@ -4,6 +4,7 @@ keep their saved copy (reference backend, CPU)."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -11,7 +12,14 @@ import thunder
 import torch
 import torch.nn.functional as F
 
-from te_v2_executor import block_scaling, current_scaling, delayed_scaling, explain, make_te_v2
+from te_v2_executor import (
+    TEv2CUDAGraphTransform,
+    block_scaling,
+    current_scaling,
+    delayed_scaling,
+    explain,
+    make_te_v2,
+)
 from te_v2_executor.state import quantization_state_dict
 from tests.helpers import CLAIM_ALL, assert_state_dicts_equal, train_steps
 from tests.models import Checkpointed, LoRAStack, SharedWeight, Stack, every_even
@@ -151,12 +159,11 @@ def test_a_parameter_written_between_forward_and_backward_is_refused():
 
 
 def test_no_recasts_under_cuda_graphs():
-    """TEv2CUDAGraphTransform would have to run each recast outside its graphs: the pass is off."""
-    from thunder.core.trace import TraceCtx
-
-    from te_v2_executor import passes
-
-    (recast_pass,) = [p for p in passes.PIPELINE if p.name == "weight_recasts"]
-    trace = TraceCtx()
-    context = passes.Context(registry=None, grad_enabled=True, fusers=[], graphed=True)
-    assert recast_pass.run(trace, context) is trace
+    """TEv2CUDAGraphTransform would run each recast between its graphs: the pass is off, and the
+    forward saves W^T. (Running the graphs needs a GPU; the traces are analysed first.)"""
+    model = Stack([DIM] * 3)
+    jitted = thunder.jit(model, executors=[_te_v2()], transforms=[TEv2CUDAGraphTransform()])
+    with contextlib.suppress(RuntimeError):  # without CUDA, the analysed traces do not run
+        jitted(torch.randn(TOKENS, DIM, requires_grad=True))
+    rows = explain(jitted).linears
+    assert [(r.saves_weight_t, r.recasts_weight_t) for r in rows] == [(True, False)] * 2
