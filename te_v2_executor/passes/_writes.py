@@ -31,7 +31,14 @@ from thunder.executors import torchex
 
 from te_v2_executor.symbols import ACCUMULATE_ARG
 
-_VIEW_OPS = {"reshape", "broadcast_in_dim", "transpose", "slice_prim", "squeeze", "unsqueeze", "view"} | {
+_VIEW_OPS = {
+    "reshape",
+    "broadcast_in_dim",
+    "transpose",
+    "slice_prim",
+    "squeeze",
+    "unsqueeze",
+    "view",
     "split",
     "shallow_copy",
     "contiguous",
@@ -162,10 +169,10 @@ class Writes:
         lo, hi = min(a, b), max(a, b)
         return not any(lo < k < hi for k in self._write_positions(p))
 
-    def any_written(self, ps: Iterable[Any], a: int, b: int) -> bool:
-        """Whether a bound symbol strictly between positions ``a`` and ``b`` writes into the
-        storage of any of ``ps``."""
-        return not all(self.unchanged(p, a, b) for p in ps)
+    def last_write(self, ps: Iterable[Any]) -> int:
+        """The position of the last bound symbol that writes into the storage of any of ``ps``;
+        -1 when none does."""
+        return max((k for p in ps for k in self._write_positions(p)), default=-1)
 
     def ever_written(self, p: Any) -> bool:
         """Whether any bound symbol writes into ``p``'s storage."""

@@ -17,10 +17,9 @@ read through a cast (float32 parameters under ``torch.autocast``) or a slice kee
 copy. So does every weight where the trace writes into any of its inputs after the forward:
 inputs may share storage without Thunder knowing (a buffer that is a view of a weight), so a
 write into one may change another, and Thunder's split may move a write of the backward into
-the forward. A parameter written in place outside
-the trace between forward and backward makes PyTorch's check of saved tensors raise, as in eager
-mode; one written through ``.data``, which that check cannot see, is read with its new values,
-as eager autograd reads it.
+the forward. A parameter written in place outside the trace between forward and backward makes
+PyTorch's check of saved tensors raise, as in eager mode; one written through ``.data``, which
+that check cannot see, is read with its new values, as eager autograd reads it.
 """
 
 from __future__ import annotations
@@ -69,8 +68,7 @@ def recast_weights(trace: TraceCtx) -> TraceCtx:
     producers, consumers = utils.producers(trace), utils.consumers(trace)
     writes = Writes(trace)
     unpacked = (b.output for b in trace.bound_symbols if b.sym.id is prims.PrimIDs.UNPACK_TRIVIAL)
-    inputs = [p for p in unpacked if isinstance(p, TensorProxy)]
-    end = len(trace.bound_symbols)
+    last_input_write = writes.last_write(p for p in unpacked if isinstance(p, TensorProxy))
     swapped: dict[int, BoundSymbol] = {}  # id of a bound symbol -> its replacement
     inserted: dict[int, list[BoundSymbol]] = {}  # position -> recasts placed before it
     for at, bsym in enumerate(trace.bound_symbols):
@@ -82,7 +80,7 @@ def recast_weights(trace: TraceCtx) -> TraceCtx:
             not _is_parameter(w, producers)
             or not readers
             or not all(map(in_backward, readers))
-            or writes.any_written(inputs, at, end)
+            or at < last_input_write
         ):
             continue
         recast = _recast(bsym, trace)
