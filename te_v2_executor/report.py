@@ -24,6 +24,7 @@ from te_v2_executor.symbols import (
     LINEAR_FWD,
     LINEAR_SYMBOLS,
     QUANTIZE_GRAD_OUTPUT,
+    QUANTIZE_INPUT,
     UNQUANTIZED_DGRAD,
     UNQUANTIZED_FWD,
     UNQUANTIZED_SYMBOLS,
@@ -45,6 +46,7 @@ class LinearReport:
     fallback: str = ""  # the rule that kept it on Thunder's default path, "" when te_v2 runs it
     unquantized: str = ""  # the claim-policy rule te_v2 runs it without FP8 by, "" if in FP8
     saves_input_t: bool = False  # forward keeps the column-wise FP8 copy of x (for wgrad)
+    shares_input: bool = False  # reads x as another linear's forward cast it (passes/shared_inputs.py)
     saves_weight_t: bool = False  # forward keeps the column-wise FP8 copy of W (for dgrad)
     recasts_weight_t: bool = False  # the backward casts W again for dgrad instead (passes/recasts.py)
     dgrad: bool = False
@@ -64,6 +66,7 @@ _HEADER = (
     "dgrad",
     "wgrad",
     "bgrad",
+    "shares x",
     "saves x^T",
     "saves W^T",
     "recasts W^T",
@@ -95,6 +98,7 @@ class Report:
                                 r.dgrad,
                                 r.wgrad,
                                 r.bgrad,
+                                r.shares_input,
                                 r.saves_input_t,
                                 r.saves_weight_t,
                                 r.recasts_weight_t,
@@ -123,7 +127,11 @@ def _site_key(bsym: Any) -> Any:
 
 def _claimed_linears(trace: TraceCtx) -> dict[Any, dict[str, Any]]:
     sites: dict[Any, dict[str, Any]] = {}
+    casts = {}  # a shared cast's row-wise copy -> the cast (passes/shared_inputs.py)
     for bsym in trace.bound_symbols:
+        if bsym.sym is QUANTIZE_INPUT:
+            casts[bsym.output[0].name] = bsym
+            continue
         if bsym.sym in UNQUANTIZED_SYMBOLS:
             site = sites.setdefault(_site_key(bsym), {})
             if bsym.sym is UNQUANTIZED_FWD and in_backward(bsym):
@@ -143,10 +151,13 @@ def _claimed_linears(trace: TraceCtx) -> dict[Any, dict[str, Any]]:
             elif is_recompute(bsym):
                 site["recomputed"] = True
             else:
+                cast = casts.get(getattr(arg(bsym, "x_q"), "name", None))
+                owns = cast is not None and cast.kwargs["state"] is state
                 site.update(
                     x=arg(bsym, "x"),
                     w=arg(bsym, "w"),
-                    saves_input_t=bsym.kwargs["save_input"],
+                    shares_input=cast is not None and not owns,
+                    saves_input_t=bsym.kwargs["save_input"] or (owns and cast.kwargs["columnwise"]),
                     saves_weight_t=bsym.kwargs["save_weight"],
                 )
         elif bsym.sym is QUANTIZE_GRAD_OUTPUT:

@@ -49,10 +49,23 @@ def _flat_shape(t: TensorProxy) -> tuple[int, int]:
 # exactly as the original forward did and records no amax.
 # ``gelu``: x is the input of an exact GELU whose output the linear reads (``passes/gelu.py``).
 # A forward that only saves the weight's copy takes no x (a recast, ``passes/recasts.py``).
+# ``x_q``: x as ``te_v2_quantize_input`` cast it once for every forward that reads it
+# (``passes/shared_inputs.py``); the forward reads that copy and casts only W.
 
 
 def _linear_fwd_meta(
-    x, w, bias, *, state, compute_output, save_input, save_weight, gelu=False, replay=None, replay_row=0
+    x,
+    w,
+    bias,
+    x_q=None,
+    *,
+    state,
+    compute_output,
+    save_input,
+    save_weight,
+    gelu=False,
+    replay=None,
+    replay_row=0,
 ):
     y = TensorProxy(like=x, shape=(*x.shape[:-1], w.shape[0])) if compute_output else None
     x_saved = _fp8_proxy(x, _flat_shape(x), state, forward=True) if save_input else None
@@ -61,7 +74,18 @@ def _linear_fwd_meta(
 
 
 def _linear_fwd_impl(
-    x, w, bias, *, state, compute_output, save_input, save_weight, gelu=False, replay=None, replay_row=0
+    x,
+    w,
+    bias,
+    x_q=None,
+    *,
+    state,
+    compute_output,
+    save_input,
+    save_weight,
+    gelu=False,
+    replay=None,
+    replay_row=0,
 ):
     if replay is None:
         scaling = state.forward_scaling(w.device)
@@ -76,11 +100,31 @@ def _linear_fwd_impl(
         save_input=save_input,
         save_weight=save_weight,
         gelu=gelu,
+        x_q=x_q,
     )
     return y, x_saved, w_saved, None
 
 
 LINEAR_FWD = ops.register_operator("te_v2_linear_fwd", meta=_linear_fwd_meta, fn=_linear_fwd_impl)
+
+
+# ---- one cast of an input several forwards read, with the first one's state ----------------
+# ``x_q`` (row-wise) is read by the forwards' GEMMs, ``x_saved`` (column-wise, when a wgrad reads
+# it) by their wgrads; two tensors, so that the row-wise copy dies after the last forward.
+
+
+def _quantize_input_meta(x, *, state, columnwise):
+    x_q = _fp8_proxy(x, _flat_shape(x), state, forward=True)
+    return x_q, _fp8_proxy(x, _flat_shape(x), state, forward=True) if columnwise else None
+
+
+def _quantize_input_impl(x, *, state, columnwise):
+    return state.numerics.quantize_input(x, state.forward_scaling(x.device), columnwise=columnwise)
+
+
+QUANTIZE_INPUT = ops.register_operator(
+    "te_v2_quantize_input", meta=_quantize_input_meta, fn=_quantize_input_impl
+)
 
 
 # ---- backward: dy quantized once, shared by dgrad and wgrad; bias grad alongside ------------

@@ -115,6 +115,31 @@ class Checkpointed(nn.Module):
         return self.last(torch.relu(x))
 
 
+class LlamaLikeBlock(nn.Module):
+    """A Llama-shaped block: q, k and v read one normalized input, gate and up (SwiGLU) another,
+    with residual adds; ``frozen`` names the linears that do not train."""
+
+    def __init__(
+        self, dim: int, *, frozen: tuple[str, ...] = (), factory: LinearFactory = torch_linear, **kw
+    ) -> None:
+        super().__init__()
+        sizes = {"q": (dim, dim), "k": (dim, dim // 2), "v": (dim, dim // 2), "o": (dim, dim)}
+        sizes |= {"gate": (dim, 2 * dim), "up": (dim, 2 * dim), "down": (2 * dim, dim)}
+        for name, (n_in, n_out) in sizes.items():
+            setattr(self, name, factory(n_in, n_out, False, **kw).requires_grad_(name not in frozen))
+
+    @staticmethod
+    def _norm(x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.square().mean(-1, keepdim=True) + 1e-6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self._norm(x)
+        q, k, v = self.q(h), self.k(h), self.v(h)
+        x = x + self.o(q * torch.sigmoid(torch.cat([k, v], -1)))
+        h = self._norm(x)
+        return x + self.down(torch.nn.functional.silu(self.gate(h)) * self.up(h))
+
+
 class SharedWeight(nn.Module):
     """One weight used by two linears (tied weights)."""
 

@@ -50,9 +50,15 @@ class KernelBackend(Protocol):
         save_input: bool,
         save_weight: bool,
         gelu: bool = False,
+        x_q: Any = None,
     ) -> tuple[torch.Tensor | None, Any, Any]:
         """y = x W^T + b and the column-wise FP8 copies of x and W the backward reads; x is None
-        when only W's copy is wanted."""
+        when only W's copy is wanted; ``x_q`` is x as ``quantize_input`` cast it."""
+        ...
+
+    def quantize_input(self, x: torch.Tensor, scaling: Any, *, columnwise: bool) -> tuple[Any, Any]:
+        """x cast once for the forwards that read it: its row-wise copy, and with ``columnwise``
+        its column-wise one, as separate tensors."""
         ...
 
     def quantize_grad_output(

@@ -166,15 +166,17 @@ def linear_fwd(
     save_input: bool,
     save_weight: bool,
     gelu: bool = False,
+    x_q: ReferenceQuantizedTensor | None = None,
 ) -> tuple[torch.Tensor | None, ReferenceQuantizedTensor | None, ReferenceQuantizedTensor | None]:
     """Forward GEMM y = x W^T + b, and the column-wise FP8 copies the backward needs.
 
     ``compute_output`` False (a recomputed forward whose y nobody reads) only quantizes; x is
     not read unless y or its copy is wanted. ``gelu``: the GEMM's input is gelu(x), rounded to
-    x's dtype as PyTorch's GELU returns it.
+    x's dtype as PyTorch's GELU returns it. ``x_q``: x already quantized row-wise by
+    ``quantize_input``, which the GEMM reads instead of casting x.
     """
-    xq = None
-    if compute_output or save_input:
+    xq = x_q
+    if x_q is None and (compute_output or save_input):
         x2d = as_matrix(x)
         if gelu:
             x2d = torch.nn.functional.gelu(x2d)
@@ -191,6 +193,16 @@ def linear_fwd(
         xq.keep_columnwise_only() if save_input else None,
         wq.keep_columnwise_only() if save_weight else None,
     )
+
+
+def quantize_input(
+    x: torch.Tensor, scaling: ScalingState, *, columnwise: bool
+) -> tuple[ReferenceQuantizedTensor, ReferenceQuantizedTensor | None]:
+    """x cast once for several forwards: the row-wise copy their GEMMs read, and with
+    ``columnwise`` the column-wise copy their wgrads read, as two tensors."""
+    xq = _quantize(as_matrix(x), scaling, 0, weight=False, rowwise=True, columnwise=columnwise)
+    saved = ReferenceQuantizedTensor.wrap(None, xq.columnwise, x.device) if columnwise else None
+    return ReferenceQuantizedTensor.wrap(xq.rowwise, None, x.device), saved
 
 
 def quantize_grad_output(

@@ -189,16 +189,18 @@ def linear_fwd(
     save_input: bool,
     save_weight: bool,
     gelu: bool = False,
+    x_q: Any = None,
 ) -> tuple[torch.Tensor | None, Any, Any]:
     """Forward GEMM y = x W^T + b, and the column-wise FP8 copies the backward needs.
 
     ``compute_output`` False (a recomputed forward whose y nobody reads) only quantizes; x is
     not read unless y or its copy is wanted. ``gelu``: the GEMM's input is gelu(x), computed
-    within the quantization where the recipe allows.
+    within the quantization where the recipe allows. ``x_q``: x already quantized row-wise by
+    ``quantize_input``, which the GEMM reads instead of casting x.
     """
     input_quantizer, weight_quantizer = scaling.quantizers
-    xq = None
-    if compute_output or save_input:
+    xq = x_q
+    if x_q is None and (compute_output or save_input):
         x2d = as_matrix(x)
         if gelu and _gelu_fusable(input_quantizer, x2d):
             xq = _gelu_quantize(
@@ -229,6 +231,16 @@ def linear_fwd(
         _keep_columnwise_only(xq) if save_input else None,
         _keep_columnwise_only(wq) if save_weight else None,
     )
+
+
+def quantize_input(x: torch.Tensor, scaling: ScalingState, *, columnwise: bool) -> tuple[Any, Any]:
+    """x cast once for several forwards: the row-wise copy their GEMMs read, and with
+    ``columnwise`` the column-wise copy their wgrads read, as two tensors over one cast's data
+    (so that the row-wise data is freed after the last forward, while the column-wise is saved)."""
+    input_quantizer = scaling.quantizers[0]
+    input_quantizer.set_usage(rowwise=True, columnwise=columnwise)
+    xq = _quantize(input_quantizer, as_matrix(x))
+    return xq, _keep_columnwise_only(xq.detach()) if columnwise else None
 
 
 def quantize_grad_output(

@@ -25,6 +25,7 @@ from te_v2_executor.passes import (
     gelu,
     recasts,
     scales,
+    shared_inputs,
     stale_reads,
     states,
     sums,
@@ -91,6 +92,16 @@ PIPELINE: tuple[Pass, ...] = (
         "the scale its forward used",
         "each forward saves exactly the copies its readers read; no CUDA graphs, which would run "
         "each recast outside them",
+        optional=True,
+    ),
+    Pass(
+        "shared_inputs",
+        lambda trace, context: shared_inputs.share_input_casts(trace),
+        "an input several forwards read (q/k/v, gate/up) is cast to FP8 once, its column-wise copy "
+        "saved once",
+        "after consumption, which decides which copies each forward saves; before the syncs, which "
+        "copy the shared cast's amax into every other state of its group",
+        "each forward saves exactly the copies its readers read",
         optional=True,
     ),
     Pass(

@@ -51,7 +51,7 @@ def test_make_te_v2_converts_what_the_config_checks():
 def test_only_optional_passes_can_be_skipped(name):
     with pytest.raises(
         ValueError,
-        match=rf"'{name}', which is no optional pass; the optional ones are weight_recasts, merge_casts",
+        match=rf"'{name}', which is no optional pass; the optional ones are weight_recasts, shared_inputs, merge_casts",
     ):
         make_te_v2(backend="reference", skip_passes=[name])
 
@@ -59,6 +59,7 @@ def test_only_optional_passes_can_be_skipped(name):
 def test_the_optional_passes_are_the_folds():
     assert passes.OPTIONAL == (
         "weight_recasts",
+        "shared_inputs",
         "merge_casts",
         "round_trips",
         "scales",

@@ -158,9 +158,13 @@ def test_frozen_base_lora_skips_base_wgrad(reference_te_v2):
     bwd = backward_trace(jitted)
     wgrad_names = _weight_names(bsyms_of(bwd, LINEAR_WGRAD))
     assert wgrad_names == {f"t_layers_{i}_lora_{ab}_weight" for i in range(2) for ab in "ab"}
-    base = [r for r in explain(jitted).linears if "base" in r.name]
-    assert [r.saves_input_t for r in base] == [False, False]
+    rows = explain(jitted).linears
+    base = [r for r in rows if "base" in r.name]
     assert [r.dgrad for r in base] == [False, True]
+    # each base linear casts its input for its adapter's A too, whose wgrad reads the x^T it saves
+    lora_a = [r for r in rows if "lora_a" in r.name]
+    assert [(r.saves_input_t, r.shares_input) for r in base] == [(True, False)] * 2
+    assert [(r.saves_input_t, r.shares_input) for r in lora_a] == [(False, True)] * 2
 
 
 def test_delayed_scaling_flushes_once_per_pass_at_the_end(reference_te_v2):

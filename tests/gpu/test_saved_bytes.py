@@ -8,6 +8,7 @@ import torch
 
 from tests.gpu.common import DTYPE, builtin_executors, requires_te_gpu, te_v2_claiming_all, torch_linear
 from tests.helpers import saved_nbytes
+from tests.models import LlamaLikeBlock
 
 pytestmark = requires_te_gpu
 
@@ -61,3 +62,27 @@ def test_saves_less_than_the_builtin_executor(weight_trains, input_grad, skip, e
     )
     assert expected <= ours < expected + 1024
     assert ours < theirs
+
+
+def test_linears_reading_one_input_save_one_copy_of_it():
+    """A Llama-like block: with ``shared_inputs`` q/k/v save one x^T, gate/up one; without it k, v
+    and up save three more, in FP8 (plus their scales)."""
+    import transformer_engine.common.recipe as te_recipe
+
+    recipe = te_recipe.DelayedScaling()
+    dim = 1024
+    model = LlamaLikeBlock(dim).to(device="cuda", dtype=DTYPE)
+    x = torch.randn(TOKENS, dim, device="cuda", dtype=DTYPE, requires_grad=True)
+    shared, apart = (
+        _saved_bytes(
+            thunder.jit(model, executors=[te_v2_claiming_all(skip_passes=skip)]),
+            x,
+            recipe,
+            model.parameters(),
+        )
+        for skip in ((), ("shared_inputs",))
+    )
+    print(
+        f"\n[Llama-like block] saved for backward: shared casts {shared / 2**20:.1f} MiB, apart {apart / 2**20:.1f} MiB"
+    )
+    assert 3 * TOKENS * dim <= apart - shared < 3 * TOKENS * dim + 1024

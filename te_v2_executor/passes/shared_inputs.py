@@ -1,0 +1,120 @@
+"""Pass ``shared_inputs``: one FP8 cast of an input that several te_v2 forwards read.
+
+A Hugging Face attention block reads its normalized hidden states with q_proj, k_proj and v_proj,
+and a SwiGLU MLP with gate_proj and up_proj. Each te_v2 forward casts its own input, so one tensor
+is cast three (two) times, and where the wgrads run, three (two) identical column-wise copies of
+it are saved for the backward. Here a ``te_v2_quantize_input`` with the first forward's state
+casts it once, before that forward: every forward of the group reads its row-wise copy, every
+wgrad the one column-wise copy (built when any of them reads it).
+
+The cast is bitwise the one each forward would have made: the forwards read the same tensor with
+the same recipe, and under delayed scaling their input scales agree, because each one's input
+history keeps recording the amax of that tensor: the forward flush copies the first state's
+input amax into the others (``SyncGroup.mirrors``). Where they disagree (a state dict that gave
+them different histories), the group casts with the first linear's scale, which is as exact an
+FP8 copy of the same tensor, and the histories agree again after ``amax_history_len`` steps.
+
+Grouped are the forwards of the joint trace's forward (not checkpoint recomputes or recasts)
+that compute an output from the same proxy, of one recipe and backend, with no GELU folded into
+their cast and no write into the input's storage between the first and each of the others.
+"""
+
+from __future__ import annotations
+
+from thunder.core.proxies import TensorProxy, variableify
+from thunder.core.symbol import BoundSymbol
+from thunder.core.trace import TraceCtx, tracectx
+
+from te_v2_executor.passes._trace import with_bound_symbols
+from te_v2_executor.passes._writes import Writes
+from te_v2_executor.symbols import LINEAR_FWD, QUANTIZE_INPUT, arg, in_backward, with_args
+
+
+def _shareable(bsym: BoundSymbol) -> bool:
+    """A forward that casts its own input to compute its output."""
+    return (
+        bsym.sym is LINEAR_FWD
+        and not in_backward(bsym)
+        and bsym.kwargs["compute_output"]
+        and isinstance(arg(bsym, "x"), TensorProxy)
+        and arg(bsym, "x_q") is None
+        and arg(bsym, "replay") is None
+        and not arg(bsym, "gelu")
+    )
+
+
+def _renamed_from(trace: TraceCtx) -> dict[str, str]:
+    """The proxy each of Thunder's renamings of a tensor (``update_aliases``, which follows the
+    ops of a function with in-place writes) renames, by name, back to the first one."""
+    first: dict[str, str] = {}
+    for bsym in trace.bound_symbols:
+        if bsym.sym.name == "update_aliases":
+            for out, renamed in zip(bsym.flat_outs, bsym.args[0], strict=True):
+                if isinstance(out, TensorProxy):
+                    first[out.name] = first.get(renamed.name, renamed.name)
+    return first
+
+
+def _groups(trace: TraceCtx, writes: Writes) -> list[list[BoundSymbol]]:
+    """The forwards that may share one cast, each group in trace order: same input tensor (one
+    proxy, or its renamings), recipe and backend, the input unwritten from the group's first
+    forward to each of the others."""
+    renamed_from = _renamed_from(trace)
+    open_groups: dict[tuple, list[BoundSymbol]] = {}
+    groups = []
+    for bsym in filter(_shareable, trace.bound_symbols):
+        state = bsym.kwargs["state"]
+        x = arg(bsym, "x")
+        key = (renamed_from.get(x.name, x.name), state.recipe, state.backend)
+        group = open_groups.get(key)
+        if group is None or not writes.unchanged(x, writes.position(group[0]), writes.position(bsym)):
+            group = open_groups[key] = []
+            groups.append(group)
+        group.append(bsym)
+    return [g for g in groups if len(g) > 1]
+
+
+def _shared_cast(group: list[BoundSymbol], trace: TraceCtx) -> tuple[BoundSymbol, dict, dict]:
+    """The cast of ``group``'s input, its forwards reading it, and the swap of their saved
+    column-wise copies for the shared one."""
+    first = group[0]
+    x, state = arg(first, "x"), first.kwargs["state"]
+    columnwise = any(b.kwargs["save_input"] for b in group)
+    with tracectx(trace):
+        x_q, x_saved = QUANTIZE_INPUT.meta(x, state=state, columnwise=columnwise)
+    cast = QUANTIZE_INPUT.bind(x, state=state, columnwise=columnwise, output=(x_q, x_saved))
+    forwards, swap = {}, {}
+    for b in group:
+        y, own_saved, w_saved, amax_ready = b.output
+        forwards[id(b)] = with_args(b, x_q=x_q, save_input=False, output=(y, None, w_saved, amax_ready))
+        if own_saved is not None:
+            swap[variableify(own_saved)] = x_saved
+    return cast, forwards, swap
+
+
+def share_input_casts(trace: TraceCtx) -> TraceCtx:
+    """Cast each input that several te_v2 forwards read once, before the first of them (see the
+    module docstring for which)."""
+    writes = Writes(trace)
+    groups = _groups(trace, writes)
+    if not groups:
+        return trace
+    casts: dict[int, BoundSymbol] = {}  # id of a group's first forward -> the cast placed before it
+    forwards: dict[int, BoundSymbol] = {}
+    swap: dict = {}
+    for group in groups:
+        cast, group_forwards, group_swap = _shared_cast(group, trace)
+        casts[id(group[0])] = cast
+        forwards.update(group_forwards)
+        swap.update(group_swap)
+    bsyms = []
+    for bsym in trace.bound_symbols:
+        if id(bsym) in casts:
+            bsyms.append(casts[id(bsym)])
+        if id(bsym) in forwards:
+            bsyms.append(forwards[id(bsym)])
+        elif any(variableify(a) in swap for a in bsym.flat_proxy_args):
+            bsyms.append(bsym.from_bsym_swap_proxies(swap, skip_output=True))
+        else:
+            bsyms.append(bsym)
+    return with_bound_symbols(trace, bsyms)

@@ -1,0 +1,83 @@
+"""The passes that save memory, on TransformerEngine, on and off: ``weight_recasts`` (dgrads read
+W^T cast in the backward) and ``shared_inputs`` (one cast of an input several forwards read)
+train bitwise as without them, over steps whose delayed scales move, with the same GEMMs."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import thunder
+import torch
+
+from te_v2_executor import explain, quantization_state_dict
+from tests.gpu.common import DTYPE, delayed_recipe, requires_te_gpu, te_v2_claiming_all, train_step_gemms
+from tests.helpers import assert_state_dicts_equal, train_steps
+from tests.models import LlamaLikeBlock, LoRAStack, Stack, every_even
+
+pytestmark = requires_te_gpu
+
+DIM, TOKENS, STEPS = 256, 512, 5
+
+
+def _current_recipe():
+    from transformer_engine.common.recipe import Float8CurrentScaling
+
+    return Float8CurrentScaling()
+
+
+RECIPES = {"delayed": delayed_recipe, "current": _current_recipe}
+MODELS = {
+    "stack": lambda: Stack([DIM] * 5, frozen=every_even),
+    "lora": lambda: LoRAStack([DIM] * 3),
+    "block": lambda: LlamaLikeBlock(DIM),
+    "frozen-block": lambda: LlamaLikeBlock(DIM, frozen=("q", "k", "v", "gate", "up")),
+}
+# each pass, the models it changes, and the report's sign that it acted on a linear
+PASSES = {
+    "weight_recasts": (("stack", "lora"), lambda r: r.recasts_weight_t and not r.saves_weight_t),
+    "shared_inputs": (("block", "frozen-block"), lambda r: r.shares_input),
+}
+CASES = [(p, m) for p, (models, _) in PASSES.items() for m in models]
+
+
+def _train(model, recipe, skip):
+    import transformer_engine.pytorch as te
+
+    torch.manual_seed(0)
+    jitted = thunder.jit(model, executors=[te_v2_claiming_all(skip_passes=skip)])
+    xs = [torch.randn(TOKENS, DIM, device="cuda", dtype=DTYPE, requires_grad=True) for _ in range(STEPS)]
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.05)
+    losses = train_steps(jitted, opt, xs, autocast=lambda: te.autocast(enabled=True, recipe=recipe))
+    return jitted, torch.stack(losses), [x.grad for x in xs]
+
+
+def _casts(kernels: list[str]) -> int:
+    return sum(any(k in n.lower() for k in ("cast", "quantiz", "amax")) for n in kernels)
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize(("pass_name", "name"), CASES)
+def test_a_pass_trains_bitwise_as_without_it(pass_name, name, recipe):
+    model = MODELS[name]().to(device="cuda", dtype=DTYPE)
+    twin = copy.deepcopy(model)
+    jitted, losses, x_grads = _train(model, RECIPES[recipe](), ())
+    apart, apart_losses, apart_x_grads = _train(twin, RECIPES[recipe](), (pass_name,))
+
+    acted = PASSES[pass_name][1]
+    assert any(map(acted, explain(jitted).linears))
+    assert not any(map(acted, explain(apart).linears))
+    assert torch.equal(losses, apart_losses)
+    for a, b in zip(x_grads, apart_x_grads, strict=True):
+        assert torch.equal(a, b)
+    for (n, p), q in zip(model.named_parameters(), twin.parameters(), strict=True):
+        assert torch.equal(p, q), n
+    assert_state_dicts_equal(quantization_state_dict(jitted), quantization_state_dict(apart))
+
+    x = torch.randn(TOKENS, DIM, device="cuda", dtype=DTYPE, requires_grad=True)
+    gemms, kernels = train_step_gemms(jitted, x, RECIPES[recipe]())
+    apart_gemms, apart_kernels = train_step_gemms(apart, x, RECIPES[recipe]())
+    assert gemms == apart_gemms
+    if pass_name == "shared_inputs":
+        print(f"{name} {recipe}: cast kernels {_casts(kernels)} shared, {_casts(apart_kernels)} apart")
+        assert _casts(kernels) < _casts(apart_kernels)
