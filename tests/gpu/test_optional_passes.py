@@ -52,10 +52,6 @@ def _train(model, recipe, skip):
     return jitted, torch.stack(losses), [x.grad for x in xs]
 
 
-def _casts(kernels: list[str]) -> int:
-    return sum(any(k in n.lower() for k in ("cast", "quantiz", "amax")) for n in kernels)
-
-
 @pytest.mark.parametrize("recipe", RECIPES)
 @pytest.mark.parametrize(("pass_name", "name"), CASES)
 def test_a_pass_trains_bitwise_as_without_it(pass_name, name, recipe):
@@ -78,6 +74,10 @@ def test_a_pass_trains_bitwise_as_without_it(pass_name, name, recipe):
     gemms, kernels = train_step_gemms(jitted, x, RECIPES[recipe]())
     apart_gemms, apart_kernels = train_step_gemms(apart, x, RECIPES[recipe]())
     assert gemms == apart_gemms
-    if pass_name == "shared_inputs":
-        print(f"{name} {recipe}: cast kernels {_casts(kernels)} shared, {_casts(apart_kernels)} apart")
-        assert _casts(kernels) < _casts(apart_kernels)
+    if pass_name == "shared_inputs":  # k, v and up cast nothing: one cast kernel each under delayed scaling
+        print(f"{name} {recipe}: kernels per step {len(kernels)} shared, {len(apart_kernels)} apart")
+        assert (
+            len(kernels) == len(apart_kernels) - 3
+            if recipe == "delayed"
+            else len(kernels) < len(apart_kernels)
+        )
