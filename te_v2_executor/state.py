@@ -152,9 +152,6 @@ class SyncGroup:
 
     ``replayed``: forward states whose linears the backward recomputes; the forward flush first
     snapshots their scales so the recompute quantizes as the original forward did.
-    ``mirrors``: (state, owner) pairs of forward states whose linears read an input the owner's
-    state cast for them (``passes/shared_inputs.py``); each such state's input history records
-    the owner's input amax, as it would have recorded the same amax casting the same tensor.
     """
 
     def __init__(
@@ -163,12 +160,10 @@ class SyncGroup:
         *,
         forward: bool,
         replayed: tuple[LinearQuantState, ...] = (),
-        mirrors: tuple[tuple[LinearQuantState, LinearQuantState], ...] = (),
     ) -> None:
         self.states = states
         self.forward = forward
         self.replayed = replayed
-        self.mirrors = {id(s): owner for s, owner in mirrors}
 
     def __repr__(self) -> str:
         direction = "forward" if self.forward else "backward"
@@ -191,34 +186,14 @@ class SyncGroup:
             for s in self.states:
                 s.amax_group = group
         if _deferred.depth:
-            _deferred.add(self.states, forward=self.forward, mirrors=self.mirrors)
+            _deferred.add(self.states, forward=self.forward)
         else:
-            update_delayed_scaling(self.states, forward=self.forward, mirrors=self.mirrors)
+            update_delayed_scaling(self.states, forward=self.forward)
 
 
-def _current_amaxes(
-    used: list[tuple[LinearQuantState, Any]], mirrors: dict[int, LinearQuantState]
-) -> list[torch.Tensor]:
-    """Each state's current amax row, in order; a mirroring state's input amax is its owner's."""
-    rows = []
-    for s, scaling in used:
-        owner = mirrors.get(id(s))
-        if owner is None:
-            rows.append(scaling.amax_history[0])
-        else:
-            rows += [owner.scaling(forward=True).amax_history[0, :1], scaling.amax_history[0, 1:]]
-    return rows
-
-
-def update_delayed_scaling(
-    states: Iterable[LinearQuantState],
-    *,
-    forward: bool,
-    mirrors: dict[int, LinearQuantState] | None = None,
-) -> None:
+def update_delayed_scaling(states: Iterable[LinearQuantState], *, forward: bool) -> None:
     """Reduce the current amax of every state of one recipe and amax group (one concatenation,
-    at most one all-reduce) and update their histories and scales (one fused update).
-    ``mirrors``: the owner of each forward state (by id) whose input amax is its owner's."""
+    at most one all-reduce) and update their histories and scales (one fused update)."""
     used = [(s, s.scaling(forward=forward)) for s in states]
     used = [(s, scaling) for s, scaling in used if scaling is not None]
     if not used:
@@ -226,7 +201,7 @@ def update_delayed_scaling(
     first = used[0][0]
     histories = [scaling.amax_history for _, scaling in used]
     scales = [scaling.scale for _, scaling in used]
-    amax = torch.cat(_current_amaxes(used, mirrors or {}) if forward else [h[0] for h in histories])
+    amax = torch.cat([h[0] for h in histories])
     group = first.amax_group
     if (
         first.recipe.reduce_amax
@@ -244,21 +219,16 @@ class _Deferred:
     def __init__(self) -> None:
         self.depth = 0
         self.pending: dict[tuple[bool, RecipeSpec, int], dict[int, LinearQuantState]] = {}
-        self.mirrors: dict[int, LinearQuantState] = {}
 
-    def add(
-        self, states: Iterable[LinearQuantState], *, forward: bool, mirrors: dict[int, LinearQuantState]
-    ) -> None:
+    def add(self, states: Iterable[LinearQuantState], *, forward: bool) -> None:
         for s in states:
             key = (forward, s.recipe, id(s.amax_group))
             self.pending.setdefault(key, {})[id(s)] = s
-        self.mirrors.update(mirrors)
 
     def flush(self) -> None:
         pending, self.pending = self.pending, {}
-        mirrors, self.mirrors = self.mirrors, {}
         for (forward, _, _), states in pending.items():
-            update_delayed_scaling(states.values(), forward=forward, mirrors=mirrors)
+            update_delayed_scaling(states.values(), forward=forward)
 
 
 _deferred = _Deferred()

@@ -111,15 +111,17 @@ LINEAR_FWD = ops.register_operator("te_v2_linear_fwd", meta=_linear_fwd_meta, fn
 # ---- one cast of an input several forwards read, with the first one's state ----------------
 # ``x_q`` (row-wise) is read by the forwards' GEMMs, ``x_saved`` (column-wise, when a wgrad reads
 # it) by their wgrads; two tensors, so that the row-wise copy dies after the last forward.
+# ``sharers``: the states of the other forwards, into whose input amax the cast's is recorded too.
 
 
-def _quantize_input_meta(x, *, state, columnwise):
+def _quantize_input_meta(x, *, state, sharers, columnwise):
     x_q = _fp8_proxy(x, _flat_shape(x), state, forward=True)
     return x_q, _fp8_proxy(x, _flat_shape(x), state, forward=True) if columnwise else None
 
 
-def _quantize_input_impl(x, *, state, columnwise):
-    return state.numerics.quantize_input(x, state.forward_scaling(x.device), columnwise=columnwise)
+def _quantize_input_impl(x, *, state, sharers, columnwise):
+    scalings = [s.forward_scaling(x.device) for s in sharers]
+    return state.numerics.quantize_input(x, state.forward_scaling(x.device), scalings, columnwise=columnwise)
 
 
 QUANTIZE_INPUT = ops.register_operator(

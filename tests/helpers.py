@@ -173,6 +173,21 @@ def train_steps(
     return losses
 
 
+def assert_trained_alike(model: torch.nn.Module, twin: torch.nn.Module, run: tuple, twin_run: tuple) -> None:
+    """Two trainings of copies of one model, each run a (compiled function, losses, input
+    gradients) triple, ended bitwise alike: losses, input gradients, parameters and quantization
+    state."""
+    from te_v2_executor import quantization_state_dict
+
+    (fn, losses, x_grads), (twin_fn, twin_losses, twin_x_grads) = run, twin_run
+    assert torch.equal(torch.stack(list(losses)), torch.stack(list(twin_losses)))
+    for a, b in zip(x_grads, twin_x_grads, strict=True):
+        assert torch.equal(a, b)
+    for (n, p), q in zip(model.named_parameters(), twin.parameters(), strict=True):
+        assert torch.equal(p, q), n
+    assert_state_dicts_equal(quantization_state_dict(fn), quantization_state_dict(twin_fn))
+
+
 def assert_state_dicts_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
     """Two quantization state dicts hold the same names and bitwise equal tensors."""
     assert a.keys() == b.keys()

@@ -56,9 +56,12 @@ class KernelBackend(Protocol):
         when only W's copy is wanted; ``x_q`` is x as ``quantize_input`` cast it."""
         ...
 
-    def quantize_input(self, x: torch.Tensor, scaling: Any, *, columnwise: bool) -> tuple[Any, Any]:
-        """x cast once for the forwards that read it: its row-wise copy, and with ``columnwise``
-        its column-wise one, as separate tensors."""
+    def quantize_input(
+        self, x: torch.Tensor, scaling: Any, sharers: list[Any], *, columnwise: bool
+    ) -> tuple[Any, Any]:
+        """x cast once, with ``scaling``, for the forwards that read it: its row-wise copy, and with
+        ``columnwise`` its column-wise one, as separate tensors; under delayed scaling the cast's
+        amax is recorded into the input history of ``scaling`` and of each of ``sharers``."""
         ...
 
     def quantize_grad_output(

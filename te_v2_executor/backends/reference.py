@@ -196,11 +196,17 @@ def linear_fwd(
 
 
 def quantize_input(
-    x: torch.Tensor, scaling: ScalingState, *, columnwise: bool
+    x: torch.Tensor, scaling: ScalingState, sharers: list[ScalingState], *, columnwise: bool
 ) -> tuple[ReferenceQuantizedTensor, ReferenceQuantizedTensor | None]:
     """x cast once for several forwards: the row-wise copy their GEMMs read, and with
-    ``columnwise`` the column-wise copy their wgrads read, as two tensors."""
-    xq = _quantize(as_matrix(x), scaling, 0, weight=False, rowwise=True, columnwise=columnwise)
+    ``columnwise`` the column-wise copy their wgrads read, as two tensors; each of ``sharers``
+    records the amax its own cast of x would have."""
+    x2d = as_matrix(x)
+    xq = _quantize(x2d, scaling, 0, weight=False, rowwise=True, columnwise=columnwise)
+    if scaling.recipe.stateful and sharers:
+        amax = x2d.abs().amax().float()
+        for s in sharers:
+            s.amax_history[0, 0] = torch.maximum(s.amax_history[0, 0], amax)
     saved = ReferenceQuantizedTensor.wrap(None, xq.columnwise, x.device) if columnwise else None
     return ReferenceQuantizedTensor.wrap(xq.rowwise, None, x.device), saved
 

@@ -101,6 +101,18 @@ class ScalingState:
         self.quantizers = recipe_state.make_quantizers()
         _configure(self.quantizers, recipe, forward=forward)
 
+    def shared_input_quantizer(self) -> Float8Quantizer:
+        """A quantizer of the input with this state's scale whose amax goes to a scratch, zeroed
+        for each cast (``quantize_input``); made on first use."""
+        found = getattr(self, "_shared_input_quantizer", None)
+        if found is None:
+            own = self.quantizers[0]
+            found = Float8Quantizer(own.scale, torch.zeros_like(own.amax), own.dtype)
+            _configure([found], self.recipe, forward=True)
+            self._shared_input_quantizer = found
+        found.amax.zero_()
+        return found
+
     @classmethod
     def replaying(cls, recipe: RecipeSpec, scale: torch.Tensor) -> ScalingState:
         """A forward state quantizing with ``scale`` (input, weight) whose amaxes go nowhere."""
@@ -233,13 +245,25 @@ def linear_fwd(
     )
 
 
-def quantize_input(x: torch.Tensor, scaling: ScalingState, *, columnwise: bool) -> tuple[Any, Any]:
+def quantize_input(
+    x: torch.Tensor, scaling: ScalingState, sharers: list[ScalingState], *, columnwise: bool
+) -> tuple[Any, Any]:
     """x cast once for several forwards: the row-wise copy their GEMMs read, and with
     ``columnwise`` the column-wise copy their wgrads read, as two tensors over one cast's data
-    (so that the row-wise data is freed after the last forward, while the column-wise is saved)."""
+    (so that the row-wise data is freed after the last forward, while the column-wise is saved).
+
+    Under delayed scaling the cast records its amax into a zeroed scratch, which one foreach
+    max then adds into the input history of ``scaling`` and of each of ``sharers``: each gets
+    exactly what casting x itself would have recorded, whatever it recorded before.
+    """
     input_quantizer = scaling.quantizers[0]
-    input_quantizer.set_usage(rowwise=True, columnwise=columnwise)
-    xq = _quantize(input_quantizer, as_matrix(x))
+    shared = scaling.amax_history is not None and sharers
+    quantizer = scaling.shared_input_quantizer() if shared else input_quantizer
+    quantizer.set_usage(rowwise=True, columnwise=columnwise)
+    xq = _quantize(quantizer, as_matrix(x))
+    if shared:
+        slots = [input_quantizer.amax, *(s.quantizers[0].amax for s in sharers)]
+        torch._foreach_maximum_(slots, [quantizer.amax] * len(slots))
     return xq, _keep_columnwise_only(xq.detach()) if columnwise else None
 
 

@@ -100,7 +100,7 @@ PIPELINE: tuple[Pass, ...] = (
         "an input several forwards read (q/k/v, gate/up) is cast to FP8 once, its column-wise copy "
         "saved once",
         "after consumption, which decides which copies each forward saves; before the syncs, which "
-        "copy the shared cast's amax into every other state of its group",
+        "order the forward flush after every forward's casts",
         "each forward saves exactly the copies its readers read",
         optional=True,
     ),

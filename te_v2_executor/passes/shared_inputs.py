@@ -9,14 +9,19 @@ wgrad the one column-wise copy (built when any of them reads it).
 
 The cast is bitwise the one each forward would have made: the forwards read the same tensor with
 the same recipe, and under delayed scaling their input scales agree, because each one's input
-history keeps recording the amax of that tensor: the forward flush copies the first state's
-input amax into the others (``SyncGroup.mirrors``). Where they disagree (a state dict that gave
-them different histories), the group casts with the first linear's scale, which is as exact an
-FP8 copy of the same tensor, and the histories agree again after ``amax_history_len`` steps.
+history keeps recording what its own cast would have: the shared cast adds its amax into the
+input history of every linear of the group (``sharers``), in every trace that shares, with or
+without a forward sync (a ``torch.no_grad()`` call records too). Where the scales disagree (a
+state dict that gave the linears different histories, or another trace of the function that
+casts different tensors for them, as one with an in-place write between their reads does), the
+group casts with the first linear's scale, made from the history of that same tensor: as exact
+an FP8 copy of it, not bitwise the one the other linears' scales would give.
 
 Grouped are the forwards of the joint trace's forward (not checkpoint recomputes or recasts)
 that compute an output from the same proxy, of one recipe and backend, with no GELU folded into
-their cast and no write into the input's storage between the first and each of the others.
+their cast and no write into the input's storage between the first and each of the others. A
+linear the backward recomputes (activation checkpointing) casts on its own: its recompute
+replays its own forward scale, which must be the one its forward cast with.
 """
 
 from __future__ import annotations
@@ -27,14 +32,24 @@ from thunder.core.trace import TraceCtx, tracectx
 
 from te_v2_executor.passes._trace import with_bound_symbols
 from te_v2_executor.passes._writes import Writes
-from te_v2_executor.symbols import LINEAR_FWD, QUANTIZE_INPUT, arg, in_backward, with_args
+from te_v2_executor.symbols import (
+    LINEAR_FWD,
+    QUANTIZE_INPUT,
+    arg,
+    in_backward,
+    is_recast,
+    is_recompute,
+    with_args,
+)
 
 
-def _shareable(bsym: BoundSymbol) -> bool:
-    """A forward that casts its own input to compute its output."""
+def _shareable(bsym: BoundSymbol, recomputed: set[int]) -> bool:
+    """A forward that casts its own input to compute its output, of a linear not recomputed in
+    the backward (``recomputed``: the ids of those linears' states)."""
     return (
         bsym.sym is LINEAR_FWD
         and not in_backward(bsym)
+        and id(bsym.kwargs["state"]) not in recomputed
         and bsym.kwargs["compute_output"]
         and isinstance(arg(bsym, "x"), TensorProxy)
         and arg(bsym, "x_q") is None
@@ -60,9 +75,10 @@ def _groups(trace: TraceCtx, writes: Writes) -> list[list[BoundSymbol]]:
     proxy, or its renamings), recipe and backend, the input unwritten from the group's first
     forward to each of the others."""
     renamed_from = _renamed_from(trace)
+    recomputed = {id(b.kwargs["state"]) for b in trace.bound_symbols if is_recompute(b) and not is_recast(b)}
     open_groups: dict[tuple, list[BoundSymbol]] = {}
     groups = []
-    for bsym in filter(_shareable, trace.bound_symbols):
+    for bsym in (b for b in trace.bound_symbols if _shareable(b, recomputed)):
         state = bsym.kwargs["state"]
         x = arg(bsym, "x")
         key = (renamed_from.get(x.name, x.name), state.recipe, state.backend)
@@ -80,9 +96,10 @@ def _shared_cast(group: list[BoundSymbol], trace: TraceCtx) -> tuple[BoundSymbol
     first = group[0]
     x, state = arg(first, "x"), first.kwargs["state"]
     columnwise = any(b.kwargs["save_input"] for b in group)
+    options = dict(state=state, sharers=tuple(b.kwargs["state"] for b in group[1:]), columnwise=columnwise)
     with tracectx(trace):
-        x_q, x_saved = QUANTIZE_INPUT.meta(x, state=state, columnwise=columnwise)
-    cast = QUANTIZE_INPUT.bind(x, state=state, columnwise=columnwise, output=(x_q, x_saved))
+        x_q, x_saved = QUANTIZE_INPUT.meta(x, **options)
+    cast = QUANTIZE_INPUT.bind(x, **options, output=(x_q, x_saved))
     forwards, swap = {}, {}
     for b in group:
         y, own_saved, w_saved, amax_ready = b.output

@@ -18,8 +18,6 @@ from te_v2_executor.symbols import (
     FORWARD_SYNC,
     LINEAR_FWD,
     QUANTIZE_GRAD_OUTPUT,
-    QUANTIZE_INPUT,
-    arg,
     is_recompute,
     with_args,
 )
@@ -33,20 +31,6 @@ def _delayed_states(trace: TraceCtx, sym: Any, *, recomputed: bool = False) -> t
         if bsym.sym is sym and is_recompute(bsym) is recomputed and bsym.kwargs["state"].recipe.stateful:
             states.setdefault(id(bsym.kwargs["state"]), bsym.kwargs["state"])
     return tuple(states.values())
-
-
-def _mirrors(trace: TraceCtx) -> tuple[tuple[LinearQuantState, LinearQuantState], ...]:
-    """(state, owner) of each delayed-scaling forward that reads an input cast with another
-    linear's state (``te_v2_quantize_input``)."""
-    owners = {b.output[0].name: b.kwargs["state"] for b in trace.bound_symbols if b.sym is QUANTIZE_INPUT}
-    found = []
-    for bsym in trace.bound_symbols:
-        x_q = arg(bsym, "x_q") if bsym.sym is LINEAR_FWD else None
-        if x_q is not None and bsym.kwargs["state"].recipe.stateful:
-            owner = owners[x_q.name]
-            if owner is not bsym.kwargs["state"]:
-                found.append((bsym.kwargs["state"], owner))
-    return tuple(found)
 
 
 def _forward_token(trace: TraceCtx, returned: dict, key: str) -> TensorProxy:
@@ -120,8 +104,7 @@ def insert_syncs(trace: TraceCtx, *, grad_enabled: bool) -> TraceCtx:
     forward_states = _delayed_states(trace, LINEAR_FWD)
     if forward_states and (grads or (grad_enabled and not joint)):
         replayed = _delayed_states(trace, LINEAR_FWD, recomputed=True)
-        group = SyncGroup(forward_states, forward=True, replayed=replayed, mirrors=_mirrors(trace))
-        trace = _insert_forward_sync(trace, group)
+        trace = _insert_forward_sync(trace, SyncGroup(forward_states, forward=True, replayed=replayed))
     backward_states = _delayed_states(trace, QUANTIZE_GRAD_OUTPUT)
     if grads and backward_states:
         trace = before_return(

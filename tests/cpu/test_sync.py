@@ -182,10 +182,10 @@ def test_thunderfx_regions_flush_once_per_step_inside_an_update_scope(monkeypatc
     updates = []
     real_update = state.update_delayed_scaling
 
-    def counting_update(states, *, forward, **kw):
+    def counting_update(states, *, forward):
         states = list(states)
         updates.append((forward, len(states)))
-        real_update(states, forward=forward, **kw)
+        real_update(states, forward=forward)
 
     monkeypatch.setattr(state, "update_delayed_scaling", counting_update)
     with quantization_update_scope() if scoped else contextlib.nullcontext():

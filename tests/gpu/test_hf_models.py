@@ -9,6 +9,7 @@ import copy
 import pytest
 import torch
 
+from benchmarks.hf import grad_cosines
 from tests.gpu.common import requires_te_gpu
 
 pytestmark = requires_te_gpu
@@ -55,6 +56,6 @@ def test_every_projection_family_follows_bf16_eager(scenario, compiled_first):
     for _ in range(2):  # the second step runs with the first step's delayed-scaling update
         grads = _grads(compiled, model, ids)
     assert grads.keys() == reference.keys() == set(FAMILIES)
-    cosines = {f: float(torch.nn.functional.cosine_similarity(grads[f], reference[f], dim=0)) for f in grads}
+    cosines = grad_cosines(grads, reference)
     print(f"\n[{scenario}, {'after torch.compile' if compiled_first else 'fresh'}] cosines: {cosines}")
     assert all(c > MIN_COSINE for c in cosines.values()), cosines
