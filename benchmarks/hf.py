@@ -59,16 +59,56 @@ LORA_RANK = 16
 COLD = {**os.environ, "TORCHINDUCTOR_FORCE_DISABLE_CACHES": "1"}
 
 
+def _thunderfx(listing: Callable[[], list]) -> Callable[[torch.nn.Module], Callable]:
+    """The builder of a thunderfx callable with the executors ``listing()`` lists, imported in
+    the worker that builds it."""
+
+    def build(model: torch.nn.Module) -> Callable:
+        from thunder.dynamo import thunderfx
+
+        return thunderfx(model, executors=listing())
+
+    return build
+
+
 def _te_v2_fusers() -> list:
     from te_v2_executor import executors
 
     return executors()[1:]
 
 
-def _thunderfx(**jit_options: Any) -> Callable[[torch.nn.Module], Callable]:
-    from thunder.dynamo import thunderfx
+def _te_v2_default() -> list:
+    from te_v2_executor import executors
 
-    return lambda model: thunderfx(model, **jit_options)
+    return executors()
+
+
+def _te_v2_without(pass_name: str) -> Callable[[], list]:
+    """The default list with a te_v2 that skips the optional pass ``pass_name``."""
+
+    def listing() -> list:
+        from te_v2_executor import executors, make_te_v2
+
+        return executors(make_te_v2(skip_passes=[pass_name]))
+
+    return listing
+
+
+def _te_v2_thunder_defaults() -> list:
+    import thunder
+
+    from te_v2_executor import te_v2
+
+    return [te_v2, *thunder.get_default_executors()]
+
+
+def _te_v2_sdpa_first() -> list:
+    import thunder
+    from thunder.executors.torch_compile import torch_compile_ex
+
+    from te_v2_executor import te_v2
+
+    return [te_v2, thunder.get_executor("sdpa"), torch_compile_ex]
 
 
 def _builtin_te(model: torch.nn.Module) -> Callable:
@@ -78,40 +118,6 @@ def _builtin_te(model: torch.nn.Module) -> Callable:
 
     executors = [transformer_engine_ex, *thunder.get_default_executors()]
     return thunderfx(model, executors=executors, transforms=[TransformerEngineTransform()])
-
-
-def _te_v2(model: torch.nn.Module) -> Callable:
-    from te_v2_executor import executors
-
-    return _thunderfx(executors=executors())(model)
-
-
-def _te_v2_without(pass_name: str) -> Callable[[torch.nn.Module], Callable]:
-    """The default list with a te_v2 that skips the optional pass ``pass_name``."""
-
-    def build(model: torch.nn.Module) -> Callable:
-        from te_v2_executor import executors, make_te_v2
-
-        return _thunderfx(executors=executors(make_te_v2(skip_passes=[pass_name])))(model)
-
-    return build
-
-
-def _te_v2_thunder_defaults(model: torch.nn.Module) -> Callable:
-    import thunder
-
-    from te_v2_executor import te_v2
-
-    return _thunderfx(executors=[te_v2, *thunder.get_default_executors()])(model)
-
-
-def _te_v2_sdpa_first(model: torch.nn.Module) -> Callable:
-    import thunder
-    from thunder.executors.torch_compile import torch_compile_ex
-
-    from te_v2_executor import te_v2
-
-    return _thunderfx(executors=[te_v2, thunder.get_executor("sdpa"), torch_compile_ex])(model)
 
 
 def _to_te_linears(model: torch.nn.Module) -> torch.nn.Module:
@@ -157,16 +163,16 @@ VARIANTS: dict[str, tuple[Callable[[torch.nn.Module], Callable], bool]] = {
     "torch.compile BF16": (torch.compile, False),
     "te.Linear eager": (_to_te_linears, True),
     "torchao float8 + torch.compile": (_torchao, False),
-    "thunderfx BF16": (lambda model: _thunderfx(executors=_te_v2_fusers())(model), False),
+    "thunderfx BF16": (_thunderfx(_te_v2_fusers), False),
     "thunderfx + built-in TE": (_builtin_te, True),
-    "thunderfx + te_v2": (_te_v2, True),
+    "thunderfx + te_v2": (_thunderfx(_te_v2_default), True),
 }
 # Ablations of the default list, for choosing it, and of each optional pass, for keeping it: run
 # with --variants.
 ABLATIONS = {
-    "thunderfx + te_v2, Thunder's default executors": (_te_v2_thunder_defaults, True),
-    "thunderfx + te_v2, sdpa then torch.compile": (_te_v2_sdpa_first, True),
-    **{f"thunderfx + te_v2 without {name}": (_te_v2_without(name), True) for name in OPTIONAL},
+    "thunderfx + te_v2, Thunder's default executors": (_thunderfx(_te_v2_thunder_defaults), True),
+    "thunderfx + te_v2, sdpa then torch.compile": (_thunderfx(_te_v2_sdpa_first), True),
+    **{f"thunderfx + te_v2 without {name}": (_thunderfx(_te_v2_without(name)), True) for name in OPTIONAL},
 }
 
 
