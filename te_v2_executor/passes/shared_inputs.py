@@ -12,10 +12,10 @@ the same recipe, and under delayed scaling their input scales agree, because eac
 history keeps recording what its own cast would have: the shared cast adds its amax into the
 input history of every linear of the group (``sharers``), in every trace that shares, with or
 without a forward sync (a ``torch.no_grad()`` call records too). Where the scales disagree (a
-state dict that gave the linears different histories, or another trace of the function that
-casts different tensors for them, as one with an in-place write between their reads does), the
-group casts with the first linear's scale, made from the history of that same tensor: as exact
-an FP8 copy of it, not bitwise the one the other linears' scales would give.
+state dict that gave the linears different histories or scales, or another trace of the
+function that casts different tensors for them, as one with an in-place write between their
+reads does), the group casts with the first linear's scale, made from the history of that same
+tensor: as exact an FP8 copy of it, not bitwise the one the other linears' scales would give.
 
 Grouped are the forwards of the joint trace's forward (not checkpoint recomputes or recasts)
 that compute an output from the same proxy, of one recipe and backend, with no GELU folded into
