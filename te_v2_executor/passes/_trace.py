@@ -35,14 +35,31 @@ def with_bound_symbols(trace: TraceCtx, bsyms: list[BoundSymbol]) -> TraceCtx:
     return new_trace
 
 
+def spliced(
+    trace: TraceCtx,
+    swapped: dict[int, BoundSymbol],
+    *,
+    dropped: set[int] = frozenset(),
+    inserted: dict[int, list[BoundSymbol]] | None = None,
+) -> list[BoundSymbol]:
+    """``trace``'s bound symbols with those keyed (by id) in ``swapped`` replaced, those in
+    ``dropped`` removed, and each list in ``inserted`` placed before the bound symbol at its
+    position."""
+    inserted = inserted or {}
+    bsyms = []
+    for i, bsym in enumerate(trace.bound_symbols):
+        bsyms += inserted.get(i, [])
+        if id(bsym) not in dropped:
+            bsyms.append(swapped.get(id(bsym), bsym))
+    return bsyms
+
+
 def replaced(trace: TraceCtx, swapped: dict[int, BoundSymbol], dropped: set[int]) -> TraceCtx:
     """``trace`` with the bound symbols keyed (by id) in ``swapped`` replaced and those in
     ``dropped`` removed; ``trace`` itself when nothing is swapped."""
     if not swapped:
         return trace
-    return with_bound_symbols(
-        trace, [swapped.get(id(b), b) for b in trace.bound_symbols if id(b) not in dropped]
-    )
+    return with_bound_symbols(trace, spliced(trace, swapped, dropped=dropped))
 
 
 def fold(trace: TraceCtx, folds: Callable[[BoundSymbol, Any, Any], Iterator[Fold]]) -> TraceCtx:

@@ -31,7 +31,7 @@ from thunder.core.proxies import AnyProxy, ProxyTag, TensorProxy, variableify
 from thunder.core.symbol import BoundSymbol, BoundSymbolTag
 from thunder.core.trace import TraceCtx, tracectx
 
-from te_v2_executor.passes._trace import with_bound_symbols
+from te_v2_executor.passes._trace import spliced, with_bound_symbols
 from te_v2_executor.passes._writes import Writes
 from te_v2_executor.symbols import LINEAR_FWD, arg, in_backward, with_args
 
@@ -92,8 +92,4 @@ def recast_weights(trace: TraceCtx) -> TraceCtx:
             swapped[id(reader)] = reader.from_bsym_swap_proxies(swap, skip_output=True)
     if not swapped:
         return trace
-    bsyms = []
-    for i, bsym in enumerate(trace.bound_symbols):
-        bsyms += inserted.get(i, [])
-        bsyms.append(swapped.get(id(bsym), bsym))
-    return with_bound_symbols(trace, bsyms)
+    return with_bound_symbols(trace, spliced(trace, swapped, inserted=inserted))

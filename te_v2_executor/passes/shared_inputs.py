@@ -26,11 +26,12 @@ replays its own forward scale, which must be the one its forward cast with.
 
 from __future__ import annotations
 
+from thunder.core import utils
 from thunder.core.proxies import TensorProxy, variableify
 from thunder.core.symbol import BoundSymbol
 from thunder.core.trace import TraceCtx, tracectx
 
-from te_v2_executor.passes._trace import with_bound_symbols
+from te_v2_executor.passes._trace import spliced, with_bound_symbols
 from te_v2_executor.passes._writes import Writes
 from te_v2_executor.symbols import (
     LINEAR_FWD,
@@ -90,9 +91,9 @@ def _groups(trace: TraceCtx, writes: Writes) -> list[list[BoundSymbol]]:
     return [g for g in groups if len(g) > 1]
 
 
-def _shared_cast(group: list[BoundSymbol], trace: TraceCtx) -> tuple[BoundSymbol, dict, dict]:
-    """The cast of ``group``'s input, its forwards reading it, and the swap of their saved
-    column-wise copies for the shared one."""
+def _shared_cast(group: list[BoundSymbol], trace: TraceCtx) -> tuple[BoundSymbol, dict, list]:
+    """The cast of ``group``'s input, its forwards reading it (by id), and (saved copy, shared
+    copy) for each of their column-wise copies the shared one replaces."""
     first = group[0]
     x, state = arg(first, "x"), first.kwargs["state"]
     columnwise = any(b.kwargs["save_input"] for b in group)
@@ -100,13 +101,13 @@ def _shared_cast(group: list[BoundSymbol], trace: TraceCtx) -> tuple[BoundSymbol
     with tracectx(trace):
         x_q, x_saved = QUANTIZE_INPUT.meta(x, **options)
     cast = QUANTIZE_INPUT.bind(x, **options, output=(x_q, x_saved))
-    forwards, swap = {}, {}
+    forwards, replaced_by = {}, []
     for b in group:
         y, own_saved, w_saved, amax_ready = b.output
         forwards[id(b)] = with_args(b, x_q=x_q, save_input=False, output=(y, None, w_saved, amax_ready))
         if own_saved is not None:
-            swap[variableify(own_saved)] = x_saved
-    return cast, forwards, swap
+            replaced_by.append((own_saved, x_saved))
+    return cast, forwards, replaced_by
 
 
 def share_input_casts(trace: TraceCtx) -> TraceCtx:
@@ -116,22 +117,16 @@ def share_input_casts(trace: TraceCtx) -> TraceCtx:
     groups = _groups(trace, writes)
     if not groups:
         return trace
-    casts: dict[int, BoundSymbol] = {}  # id of a group's first forward -> the cast placed before it
-    forwards: dict[int, BoundSymbol] = {}
-    swap: dict = {}
+    inserted: dict[int, list[BoundSymbol]] = {}  # position of a group's first forward -> its cast
+    swapped: dict[int, BoundSymbol] = {}  # id of a forward or wgrad -> its replacement
+    replaced_by: list = []  # (a forward's own saved copy, the shared one)
     for group in groups:
-        cast, group_forwards, group_swap = _shared_cast(group, trace)
-        casts[id(group[0])] = cast
-        forwards.update(group_forwards)
-        swap.update(group_swap)
-    bsyms = []
-    for bsym in trace.bound_symbols:
-        if id(bsym) in casts:
-            bsyms.append(casts[id(bsym)])
-        if id(bsym) in forwards:
-            bsyms.append(forwards[id(bsym)])
-        elif any(variableify(a) in swap for a in bsym.flat_proxy_args):
-            bsyms.append(bsym.from_bsym_swap_proxies(swap, skip_output=True))
-        else:
-            bsyms.append(bsym)
-    return with_bound_symbols(trace, bsyms)
+        cast, forwards, group_replaced = _shared_cast(group, trace)
+        inserted[writes.position(group[0])] = [cast]
+        swapped.update(forwards)
+        replaced_by += group_replaced
+    consumers = utils.consumers(trace)
+    swap = {variableify(p): shared for p, shared in replaced_by}
+    for reader in (r for p, _ in replaced_by for r in consumers.get(p, [])):  # the wgrads
+        swapped[id(reader)] = reader.from_bsym_swap_proxies(swap, skip_output=True)
+    return with_bound_symbols(trace, spliced(trace, swapped, inserted=inserted))

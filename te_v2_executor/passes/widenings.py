@@ -24,7 +24,7 @@ from thunder.core.pytree import tree_flatten
 from thunder.core.symbol import BoundSymbol, BoundSymbolTag
 from thunder.core.trace import TraceCtx, from_trace, tracectx
 
-from te_v2_executor.passes._trace import exact_widening
+from te_v2_executor.passes._trace import exact_widening, spliced
 from te_v2_executor.passes._writes import Writes
 from te_v2_executor.symbols import in_backward
 
@@ -124,10 +124,10 @@ def recompute_widenings(trace: TraceCtx) -> TraceCtx:
                 swaps.setdefault(id(bsym), {})[variableify(p)] = copy
     if not work.inserted:
         return trace
-    bsyms = []
-    for i, bsym in enumerate(trace.bound_symbols):
-        bsyms += work.inserted.get(i, [])
-        swap = swaps.get(id(bsym))
-        bsyms.append(bsym if swap is None else bsym.from_bsym_swap_proxies(swap, skip_output=True))
-    new_trace.bound_symbols = bsyms
+    swapped = {
+        id(b): b.from_bsym_swap_proxies(swaps[id(b)], skip_output=True)
+        for b in trace.bound_symbols
+        if id(b) in swaps
+    }
+    new_trace.bound_symbols = spliced(trace, swapped, inserted=work.inserted)
     return new_trace
