@@ -119,6 +119,12 @@ def _cast(
     return Plane(data, 1.0 / scale, block)
 
 
+def _record_amax(state: ScalingState, index: int, t: torch.Tensor) -> None:
+    """Add ``t``'s amax into the running max of column ``index`` of the current history row."""
+    amax_slot = state.amax_history[0, index]
+    amax_slot.copy_(torch.maximum(amax_slot, t.abs().amax().float()))
+
+
 def _quantize(
     t: torch.Tensor, state: ScalingState, index: int, *, weight: bool, rowwise: bool, columnwise: bool
 ) -> ReferenceQuantizedTensor:
@@ -128,8 +134,7 @@ def _quantize(
     if recipe.per_tensor:
         whole = tuple(t.shape)
         if recipe.stateful:
-            amax_slot = state.amax_history[0, index]
-            amax_slot.copy_(torch.maximum(amax_slot, t.abs().amax().float()))
+            _record_amax(state, index, t)
             scale = state.scale[index].reshape(1, 1)
         else:
             scale = _scale_from_amax(t.abs().amax().reshape(1, 1), fp8_max, recipe)
@@ -203,10 +208,9 @@ def quantize_input(
     records the amax its own cast of x would have."""
     x2d = as_matrix(x)
     xq = _quantize(x2d, scaling, 0, weight=False, rowwise=True, columnwise=columnwise)
-    if scaling.recipe.stateful and sharers:
-        amax = x2d.abs().amax().float()
+    if scaling.recipe.stateful:
         for s in sharers:
-            s.amax_history[0, 0] = torch.maximum(s.amax_history[0, 0], amax)
+            _record_amax(s, 0, x2d)
     saved = ReferenceQuantizedTensor.wrap(None, xq.columnwise, x.device) if columnwise else None
     return ReferenceQuantizedTensor.wrap(xq.rowwise, None, x.device), saved
 

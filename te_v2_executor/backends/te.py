@@ -102,15 +102,14 @@ class ScalingState:
         _configure(self.quantizers, recipe, forward=forward)
 
     def shared_input_quantizer(self) -> Float8Quantizer:
-        """A quantizer of the input with this state's scale whose amax goes to a scratch, zeroed
-        for each cast (``quantize_input``); made on first use."""
+        """A quantizer of the input with this state's scale whose amax goes to a scratch of its
+        own (``quantize_input``); made on first use."""
         found = getattr(self, "_shared_input_quantizer", None)
         if found is None:
             own = self.quantizers[0]
             found = Float8Quantizer(own.scale, torch.zeros_like(own.amax), own.dtype)
             _configure([found], self.recipe, forward=True)
             self._shared_input_quantizer = found
-        found.amax.zero_()
         return found
 
     @classmethod
@@ -259,6 +258,8 @@ def quantize_input(
     input_quantizer = scaling.quantizers[0]
     shared = scaling.amax_history is not None and sharers
     quantizer = scaling.shared_input_quantizer() if shared else input_quantizer
+    if shared:
+        quantizer.amax.zero_()
     quantizer.set_usage(rowwise=True, columnwise=columnwise)
     xq = _quantize(quantizer, as_matrix(x))
     if shared:
