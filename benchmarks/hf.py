@@ -257,17 +257,23 @@ def grad_cosines(grads: dict[str, torch.Tensor], reference: dict[str, torch.Tens
     }
 
 
+def batch(model_name: str) -> torch.Tensor:
+    """The token ids every variant of ``model_name`` trains on, which are also its labels."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    return torch.randint(0, MODELS[model_name]["vocab_size"], (BATCH, SEQUENCE), device="cuda", generator=g)
+
+
+def loss_of(fn: Callable) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The causal LM loss of ``fn`` (a model or a compiled one) on a batch that is its own labels."""
+    return lambda ids: fn(input_ids=ids, labels=ids).loss
+
+
 def run_worker(model_name: str, scenario: str, variant: str, *, warmup: int, steps: int) -> dict[str, Any]:
     """One variant of one model and scenario in this process: figures and gradient cosines."""
     build, fp8 = {**VARIANTS, **ABLATIONS}[variant]
     warm_up_process()
     model = build_model(model_name, scenario)
-    g = torch.Generator(device="cuda").manual_seed(0)
-    ids = torch.randint(0, MODELS[model_name]["vocab_size"], (BATCH, SEQUENCE), device="cuda", generator=g)
-
-    def loss_of(fn: Callable) -> Callable[[torch.Tensor], torch.Tensor]:
-        return lambda batch: fn(input_ids=batch, labels=batch).loss
-
+    ids = batch(model_name)
     make_step(loss_of(model), model, ids, fp8=False, training=True)()
     reference = family_grads(model)
     model.zero_grad(set_to_none=True)

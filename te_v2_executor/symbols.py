@@ -51,6 +51,10 @@ def _flat_shape(t: TensorProxy) -> tuple[int, int]:
 # A forward that only saves the weight's copy takes no x (a recast, ``passes/recasts.py``).
 # ``x_q``: x as ``te_v2_quantize_input`` cast it once for every forward that reads it
 # (``passes/shared_inputs.py``); the forward reads that copy and casts only W.
+# ``after``: a tensor the symbol waits for without reading it. A recast waits for the gradient
+# its dgrad reads: with no input made in the backward, a fuser's reordering (Thunder's dataflow
+# fusion, which thunderfx selects) would hoist it to the start of the backward, its copy alive
+# through all of it.
 
 
 def _linear_fwd_meta(
@@ -66,6 +70,7 @@ def _linear_fwd_meta(
     gelu=False,
     replay=None,
     replay_row=0,
+    after=None,
 ):
     y = TensorProxy(like=x, shape=(*x.shape[:-1], w.shape[0])) if compute_output else None
     x_saved = _fp8_proxy(x, _flat_shape(x), state, forward=True) if save_input else None
@@ -86,6 +91,7 @@ def _linear_fwd_impl(
     gelu=False,
     replay=None,
     replay_row=0,
+    after=None,
 ):
     if replay is None:
         scaling = state.forward_scaling(w.device)
@@ -253,6 +259,29 @@ def _gelu_backward_impl(grad: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
 
 
 GELU_BACKWARD = ops.register_operator("te_v2_gelu_backward", meta=_gelu_backward_meta, fn=_gelu_backward_impl)
+
+
+# ---- an exact widening the backward recomputes for te_v2 readers (``passes/widenings.py``) ---
+# ``after``: a tensor of the backward the cast waits for without reading it, as for a recast: its
+# input saved by the forward, a fuser's reordering would otherwise hoist it to the start of the
+# backward, its wide copy alive through all of it. Fusible readers get Thunder's own cast instead,
+# which the fuser folds into their region.
+
+
+def _widen_meta(a, after, *, dtype):
+    return TensorProxy(like=a, dtype=dtypes.to_dtype(dtype))
+
+
+def _widen_impl(a: torch.Tensor, after, *, dtype: torch.dtype) -> torch.Tensor:
+    return a.to(dtype)
+
+
+WIDEN = ops.register_operator("te_v2_widen", meta=_widen_meta, fn=_widen_impl)
+
+
+def is_te_v2(bsym: BoundSymbol) -> bool:
+    """Whether ``bsym`` is one of te_v2's own symbols, which no fuser fuses."""
+    return bsym.sym.executor is ops
 
 
 # ---- once-per-pass flushes of delayed-scaling state -----------------------------------------

@@ -33,7 +33,7 @@ from thunder.core.trace import TraceCtx, tracectx
 
 from te_v2_executor.passes._trace import spliced, with_bound_symbols
 from te_v2_executor.passes._writes import Writes
-from te_v2_executor.symbols import LINEAR_FWD, arg, in_backward, with_args
+from te_v2_executor.symbols import LINEAR_DGRAD, LINEAR_FWD, arg, in_backward, with_args
 
 
 def _is_parameter(w: TensorProxy, producers: Any) -> bool:
@@ -43,9 +43,12 @@ def _is_parameter(w: TensorProxy, producers: Any) -> bool:
     return not made_here and ProxyTag.STATIC_MEMORY_LOCATION in w.tags
 
 
-def _recast(fwd: BoundSymbol, trace: TraceCtx) -> BoundSymbol:
-    """The backward's cast of ``fwd``'s weight alone: its column-wise FP8 copy, in a new proxy."""
+def _recast(fwd: BoundSymbol, trace: TraceCtx, first_reader: BoundSymbol) -> BoundSymbol:
+    """The backward's cast of ``fwd``'s weight alone: its column-wise FP8 copy, in a new proxy,
+    ordered after the gradient its first dgrad reads (``after``), so that no reordering of the
+    backward casts it long before that dgrad."""
     w_saved = fwd.output[2]
+    after = arg(first_reader, "dy_q") if first_reader.sym is LINEAR_DGRAD else None
     with tracectx(trace):
         copy, marker = TensorProxy(like=w_saved), AnyProxy(None, prefix="amax_ready")
     recast = with_args(
@@ -56,6 +59,7 @@ def _recast(fwd: BoundSymbol, trace: TraceCtx) -> BoundSymbol:
         save_input=False,
         save_weight=True,
         gelu=False,
+        after=after,
         output=(None, None, copy, marker),
     )
     recast.tags.add(BoundSymbolTag.BACKWARD)
@@ -64,7 +68,8 @@ def _recast(fwd: BoundSymbol, trace: TraceCtx) -> BoundSymbol:
 
 def recast_weights(trace: TraceCtx) -> TraceCtx:
     """Have each dgrad of a parameter's linear read a copy cast in the backward, before the first
-    of its readers, rather than one the forward saved (see the module docstring for which)."""
+    of its readers and after that reader's gradient, rather than one the forward saved (see the
+    module docstring for which)."""
     producers, consumers = utils.producers(trace), utils.consumers(trace)
     writes = Writes(trace)
     unpacked = (b.output for b in trace.bound_symbols if b.sym.id is prims.PrimIDs.UNPACK_TRIVIAL)
@@ -83,8 +88,9 @@ def recast_weights(trace: TraceCtx) -> TraceCtx:
             or at < last_input_write
         ):
             continue
-        recast = _recast(bsym, trace)
-        inserted.setdefault(min(map(writes.position, readers)), []).append(recast)
+        first_reader = min(readers, key=writes.position)
+        recast = _recast(bsym, trace, first_reader)
+        inserted.setdefault(writes.position(first_reader), []).append(recast)
         y, x_saved, _, amax_ready = bsym.output
         swapped[id(bsym)] = with_args(bsym, save_weight=False, output=(y, x_saved, None, amax_ready))
         swap = {variableify(w_saved): recast.output[2]}

@@ -8,7 +8,11 @@ input of every LoRA adapter. The backward reads the float32 copies, or views of 
 Thunder's split saves them between forward and backward at twice the bytes of the bfloat16
 tensors they were cast from. The cast is exact and a view copies nothing, so computing them
 again in the backward gives the same values; the fusion executor folds them into the backward
-region that reads them. The cross-entropy's backward reads the float32 log-softmax of the
+region that reads them. Where only te_v2's GEMMs read a copy (a LoRA adapter's wgrad), no fuser
+takes the cast, so it is te_v2's own, made to wait for a tensor of the backward its first reader
+reads: a lone cast of a saved tensor is what a fuser's reordering (Thunder's dataflow fusion,
+thunderfx's choice) hoists to the start of the backward, its wide copy alive through all of it.
+The cross-entropy's backward reads the float32 log-softmax of the
 logits, over the whole vocabulary: recomputed from the bfloat16 logits, it costs one more pass
 over them in the backward and saves half the bytes, with values that may differ by a few float32
 ulps where the fuser sums the exponentials in another order.
@@ -18,7 +22,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from thunder.core import utils
+from thunder.core import dtypes, utils
 from thunder.core.proxies import TensorProxy, variableify
 from thunder.core.pytree import tree_flatten
 from thunder.core.symbol import BoundSymbol, BoundSymbolTag
@@ -26,7 +30,7 @@ from thunder.core.trace import TraceCtx, from_trace, tracectx
 
 from te_v2_executor.passes._trace import exact_widening, spliced
 from te_v2_executor.passes._writes import Writes
-from te_v2_executor.symbols import in_backward
+from te_v2_executor.symbols import WIDEN, in_backward, is_te_v2
 
 # Ops of one tensor input recomputed after the widening they read, by name (which Thunder's torch
 # and torch-executor versions share, and the prims of the views): views of it, and the
@@ -83,20 +87,35 @@ class _Recomputation:
             and self.writes.reaches(cast.args[0], self.writes.position(cast), readers)
         )
 
+    def _made_in_backward(self, reader: BoundSymbol) -> TensorProxy | None:
+        """A tensor ``reader`` reads that the backward makes, for a copy to wait for."""
+        for a in reader.flat_proxy_args:
+            producer = self.producers.get(a, None) if isinstance(a, TensorProxy) else None
+            if producer is not None and in_backward(producer):
+                return a
+        return None
+
     def copy(self, p: TensorProxy, readers: list[BoundSymbol]) -> TensorProxy | None:
         """The backward copy of ``p`` for ``readers``, None where ``p`` is no widening chain's
         result or may not be recomputed; a chain's ops are copied once, before the first reader
-        that asks for them."""
+        that asks for them. Where te_v2's symbols alone read it, which no fuser fuses, the cast is
+        ``te_v2_widen``, ordered after a tensor the first reader reads from the backward."""
         chain = _chain(p, self.producers)
         if not chain or not self._allowed(chain, readers):
             return None
-        at = min(map(self.writes.position, readers))
+        first = min(readers, key=self.writes.position)
+        at = self.writes.position(first)
+        after = self._made_in_backward(first) if all(map(is_te_v2, readers)) else None
         swap: dict = {}
         for bsym in chain:
             if bsym.output.name not in self.copy_of:
                 with tracectx(self.new_trace):
                     fresh = TensorProxy(like=bsym.output)
-                recomputed = bsym.from_bsym_swap_proxies({**swap, variableify(bsym.output): fresh})
+                if bsym is chain[0] and after is not None:
+                    dtype = dtypes.to_torch_dtype(bsym.output.dtype)
+                    recomputed = WIDEN.bind(bsym.args[0], after, dtype=dtype, output=fresh)
+                else:
+                    recomputed = bsym.from_bsym_swap_proxies({**swap, variableify(bsym.output): fresh})
                 recomputed.tags.add(BoundSymbolTag.BACKWARD)
                 self.inserted.setdefault(at, []).append(recomputed)
                 self.copy_of[bsym.output.name] = fresh

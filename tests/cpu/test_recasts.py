@@ -11,6 +11,8 @@ import pytest
 import thunder
 import torch
 import torch.nn.functional as F
+from thunder.dynamo import thunderfx
+from thunder.executors.torch_compile import torch_compile_ex
 
 from te_v2_executor import (
     TEv2CUDAGraphTransform,
@@ -20,6 +22,7 @@ from te_v2_executor import (
     explain,
     make_te_v2,
 )
+from te_v2_executor.symbols import QUANTIZE_GRAD_OUTPUT, is_recast
 from tests.helpers import CLAIM_ALL, assert_trained_alike, train_steps
 from tests.models import Checkpointed, LoRAStack, SharedWeight, Stack, every_even
 
@@ -66,6 +69,32 @@ def test_recast_copies_train_bitwise_as_saved_ones(name, recipe):
         cast_apart = r.dgrad and not r.recomputed
         assert (r.recasts_weight_t, r.saves_weight_t) == (cast_apart, False), r.name
         assert (s.recasts_weight_t, s.saves_weight_t) == (False, cast_apart), s.name
+
+
+@pytest.mark.parametrize("jit", ["thunderfx", "thunder.jit"])
+def test_each_recast_runs_between_its_dgrad_gradient_and_its_dgrad(jit):
+    """Thunder's dataflow fusion (thunderfx's choice) orders the backward anew: a recast that read
+    only its parameter went to the start of the backward, its copy alive through all of it (on the
+    8B Llama's full fine-tuning, 296 MiB of FP8 weights at the backward's peak)."""
+    model = Stack([DIM] * 5)
+    executors = [_te_v2(), torch_compile_ex]
+    if jit == "thunderfx":
+        compiled = thunderfx(model, executors=executors)
+    else:
+        compiled = thunder.jit(model, executors=executors)
+    compiled(torch.randn(TOKENS, DIM, requires_grad=True)).sum().backward()
+    if jit == "thunderfx":
+        (compiled,) = compiled._backend.subgraph_infos[0].thunder_compiled_fns
+    backward = thunder.last_backward_traces(compiled)
+    order = backward[-1].bound_symbols
+    recasts = [at for at, b in enumerate(order) if is_recast(b)]
+    assert len(recasts) == sum(r.recasts_weight_t for r in explain(compiled).linears) == 4
+    for at in recasts:
+        state = order[at].kwargs["state"]
+        (dy_q_at,) = [
+            i for i, b in enumerate(order) if b.sym is QUANTIZE_GRAD_OUTPUT and b.kwargs["state"] is state
+        ]
+        assert dy_q_at < at, f"the recast of {state} runs before its gradient exists"
 
 
 class Weights(torch.nn.Module):

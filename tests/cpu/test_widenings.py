@@ -10,8 +10,11 @@ import pytest
 import thunder
 import torch
 import torch.nn.functional as F
+from thunder.dynamo import thunderfx
+from thunder.executors.torch_compile import torch_compile_ex
 
 from te_v2_executor import make_te_v2
+from te_v2_executor.symbols import UNQUANTIZED_DGRAD, UNQUANTIZED_WGRAD
 from tests.helpers import forward_trace
 
 TOKENS, DIM, RANK, VOCAB = 32, 64, 16, 128  # TOKENS <= VOCAB: token i's label is i
@@ -84,6 +87,25 @@ def test_the_backward_recomputes_widenings_with_the_same_gradients(write_after_c
     assert grads.keys() == plain_grads.keys()
     for name, grad in grads.items():
         torch.testing.assert_close(grad, plain_grads[name], rtol=0, atol=0, msg=name)
+
+
+def test_an_adapters_float32_copy_is_made_where_its_wgrad_runs():
+    """Through thunderfx, whose dataflow fusion orders the backward anew, the recomputed float32
+    input of the adapter's wgrad (te_v2's GEMM, which no fuser fuses) is cast after the backward
+    reached the adapter, not at its start, where it went as a lone cast of a saved tensor (at the
+    8B Llama's dims under LoRA, 448 MiB for one down_proj adapter)."""
+    model = HFLike()
+    compiled = thunderfx(model, executors=[make_te_v2(backend="reference"), torch_compile_ex])
+    x = torch.randn(TOKENS, DIM, dtype=torch.bfloat16, requires_grad=True)
+    F.cross_entropy(compiled(x).float(), torch.arange(TOKENS) % VOCAB).backward()
+    (jitted,) = compiled._backend.subgraph_infos[0].thunder_compiled_fns
+    order = thunder.last_backward_traces(jitted)[-1].bound_symbols
+    made_at = {p.name: at for at, b in enumerate(order) for p in b.flat_proxy_outs}
+    (adapter_wgrad,) = [b for b in order if b.sym is UNQUANTIZED_WGRAD and b.output.shape == (RANK, DIM)]
+    wide = adapter_wgrad.args[1]
+    assert wide.dtype == thunder.float32
+    first_gemm = min(at for at, b in enumerate(order) if b.sym in (UNQUANTIZED_DGRAD, UNQUANTIZED_WGRAD))
+    assert made_at[wide.name] > first_gemm, "the float32 copy is made before the backward reaches its wgrad"
 
 
 class WithLoss(HFLike):

@@ -1,0 +1,31 @@
+"""``benchmarks.memory_peak``: the replay of a memory snapshot's trace finds the peak and the blocks
+alive at it, named by the frames that allocated them."""
+
+from __future__ import annotations
+
+from benchmarks.memory_peak import live_at_peak
+
+
+def _frame(filename: str, name: str) -> dict:
+    return {"filename": filename, "line": 1, "name": name}
+
+
+def test_the_peak_holds_the_blocks_alive_at_its_moment():
+    gemm = [_frame("/x/torch/nn/modules/module.py", "_call_impl"), _frame("/x/te_v2/te.py", "_gemm")]
+    events = [
+        {"action": "alloc", "addr": 1, "size": 10, "frames": gemm},
+        {"action": "free_completed", "addr": 99, "size": 7},  # allocated before the recording
+        {"action": "alloc", "addr": 2, "size": 20},
+        {"action": "free_requested", "addr": 1, "size": 10},  # not yet free: still counted
+        {"action": "alloc", "addr": 3, "size": 5, "frames": gemm},
+        {"action": "free_completed", "addr": 1, "size": 10},
+        {"action": "free_completed", "addr": 3, "size": 5},
+        {"action": "alloc", "addr": 4, "size": 12, "frames": gemm},
+    ]
+    peak, blocks = live_at_peak(events)
+    assert peak == 35
+    assert sorted(blocks) == [
+        (5, "te.py:1:_gemm"),
+        (10, "te.py:1:_gemm"),
+        (20, "(no Python frame: made by autograd's engine, such as a zero gradient)"),
+    ]
