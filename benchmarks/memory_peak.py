@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.cuda.synchronize()
     snapshot = torch.cuda.memory._snapshot()
     torch.cuda.memory._record_memory_history(enabled=None)
-    peak, blocks = live_at_peak(snapshot["device_traces"][0])
+    peak, blocks = live_at_peak(snapshot["device_traces"][torch.cuda.current_device()])
     sites: dict[str, list[int]] = collections.defaultdict(lambda: [0, 0])
     for size, site in blocks:
         sites[site][0] += size

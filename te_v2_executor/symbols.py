@@ -284,6 +284,22 @@ def is_te_v2(bsym: BoundSymbol) -> bool:
     return bsym.sym.executor is ops
 
 
+# ---- a write into a tensor, ordered after te_v2's reads of it (``passes/write_order.py``) ---
+# Returns ``a`` itself; the in-place op writes through it. ``after``: outputs of the te_v2 symbols
+# that read ``a``'s storage before the write, which a fuser could otherwise order after it.
+
+
+def _ordered_meta(a, *after):
+    return TensorProxy(like=a)
+
+
+def _ordered_impl(a: torch.Tensor, *after) -> torch.Tensor:
+    return a
+
+
+ORDERED = ops.register_operator("te_v2_ordered", meta=_ordered_meta, fn=_ordered_impl)
+
+
 # ---- once-per-pass flushes of delayed-scaling state -----------------------------------------
 
 

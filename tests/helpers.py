@@ -130,12 +130,18 @@ def saved_nbytes(t: torch.Tensor) -> int:
 
 
 def assert_like_eager(
-    model: torch.nn.Module, x: torch.Tensor, executors: list, *, grad: bool, **tols
+    model: torch.nn.Module,
+    x: torch.Tensor,
+    executors: list,
+    *,
+    grad: bool,
+    jit: Callable = thunder.jit,
+    **tols,
 ) -> None:
-    """``model`` compiled with ``executors`` gives eager's outputs and, with ``grad``, eager's
-    parameter gradients for a sum-of-squares loss (None-ness exact), within ``tols``. Each run
-    gets its own copy of ``x``, which the model may write into."""
-    jitted = thunder.jit(model, executors=executors)
+    """``model`` compiled by ``jit`` with ``executors`` gives eager's outputs and, with ``grad``,
+    eager's parameter gradients for a sum-of-squares loss (None-ness exact), within ``tols``. Each
+    run gets its own copy of ``x``, which the model may write into."""
+    jitted = jit(model, executors=executors)
     with torch.set_grad_enabled(grad):
         expected, actual = model(x.clone()), jitted(x.clone())
     expected, actual = torch.utils._pytree.tree_leaves(expected), torch.utils._pytree.tree_leaves(actual)

@@ -31,6 +31,7 @@ from te_v2_executor.passes import (
     sums,
     syncs,
     widenings,
+    write_order,
 )
 from te_v2_executor.passes._trace import source_name
 from te_v2_executor.passes._writes import check_no_new_stale_reads
@@ -164,9 +165,16 @@ PIPELINE: tuple[Pass, ...] = (
         lambda trace, context: widenings.recompute_widenings(trace),
         "the backward recomputes the exact widenings it reads (and their views and log-softmax), "
         "so the narrow tensor is saved",
-        "last: it moves the backward reads every other pass leaves",
+        "after every fold: it moves the backward reads every other pass leaves",
         "the backward's bound symbols carry Thunder's backward tag, as its grad transform gives them",
         optional=True,
+    ),
+    Pass(
+        "write_order",
+        lambda trace, context: write_order.order_writes(trace),
+        "each in-place write waits for the te_v2 symbols that read its tensor before it",
+        "last: after every pass that adds or moves a te_v2 read",
+        "writes into existing storage are explicit, as Writes reads them",
     ),
 )
 

@@ -29,7 +29,7 @@ from thunder.core.symbol import BoundSymbol
 from thunder.core.trace import TraceCtx
 from thunder.executors import torchex
 
-from te_v2_executor.symbols import ACCUMULATE_ARG
+from te_v2_executor.symbols import ACCUMULATE_ARG, ORDERED
 
 _VIEW_OPS = {
     "reshape",
@@ -104,7 +104,7 @@ def _aliased_pairs(bsym: BoundSymbol) -> Iterator[tuple[TensorProxy, TensorProxy
     written = written_tensor(bsym)
     if written is not None:
         yield from ((o, written) for o in outs)
-    elif bsym.sym.name in _VIEW_NAMES or _same_dtype_cast(bsym):
+    elif bsym.sym.name in _VIEW_NAMES or bsym.sym is ORDERED or _same_dtype_cast(bsym):
         args = _tensors(bsym.flat_args)
         if args:
             yield from ((o, args[0]) for o in outs)
@@ -159,6 +159,10 @@ class Writes:
     def position(self, bsym: BoundSymbol) -> int:
         """The index of ``bsym`` in the trace."""
         return self._position[id(bsym)]
+
+    def same_storage(self, a: TensorProxy, b: TensorProxy) -> bool:
+        """Whether ``a`` and ``b`` may share storage (one is, or may be, a view of the other)."""
+        return self._root(a.name) == self._root(b.name)
 
     def _write_positions(self, p: TensorProxy) -> list[int]:
         return self._writes.get(self._root(p.name), [])

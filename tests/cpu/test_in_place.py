@@ -9,6 +9,8 @@ import warnings
 import pytest
 import thunder
 import torch
+from thunder.dynamo import thunderfx
+from thunder.executors.torch_compile import torch_compile_ex
 from torch import nn
 
 from te_v2_executor import ClaimPolicy, TEv2FallbackWarning, explain, make_te_v2
@@ -25,6 +27,16 @@ TOLS = {"rtol": 1e-5, "atol": 1e-5}
 @pytest.mark.parametrize("model", [WriteAfterAdapter, WriteIntoInputBeforeAdapter], ids=lambda m: m.__name__)
 def test_no_fold_moves_a_gemm_past_an_in_place_write(model, grad):
     assert_like_eager(model(), torch.randn(32, 64), [make_te_v2(backend="reference")], grad=grad, **TOLS)
+
+
+@pytest.mark.parametrize("grad", [True, False], ids=["train", "no_grad"])
+@pytest.mark.parametrize("model", [WriteAfterAdapter, WriteIntoInputBeforeAdapter], ids=lambda m: m.__name__)
+def test_a_fuser_ordering_by_data_keeps_each_write_after_te_v2s_reads(model, grad):
+    """thunderfx fuses with Thunder's dataflow partitioner, which orders by data dependencies
+    alone: a write fused into a torch.compile region went before the te_v2 GEMM that read the
+    tensor earlier (no fuser takes te_v2's symbols in), which then read the written values."""
+    executors = [make_te_v2(backend="reference"), torch_compile_ex]
+    assert_like_eager(model(), torch.randn(32, 64), executors, grad=grad, jit=thunderfx, **TOLS)
 
 
 def test_the_fold_away_from_the_write_is_still_made():
