@@ -4,12 +4,13 @@ as a shrunk standalone program, then a summary."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from collections import Counter, defaultdict
 
 from tests.fuzz import campaign
 from tests.fuzz.oracle import BF16_RTOL, Verdict, tolerance
-from tests.fuzz.programs import Program, Weights
+from tests.fuzz.programs import FUSINGS, Program, Weights
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -31,6 +32,12 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="programs without in-place ops, all with delayed scaling: print the largest errors by class",
     )
+    parser.add_argument(
+        "--fuser",
+        choices=tuple(FUSINGS),
+        default="none",
+        help="te_v2 alone, or followed by torch.compile's executor with thunderfx's dataflow fusion",
+    )
     parser.add_argument("-v", "--verbose", action="store_true", help="one line per program")
     args = parser.parse_args(argv)
 
@@ -38,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
         from tests.fuzz.oracle import check
         from tests.fuzz.programs import generate
 
-        program = generate(args.seed, args.show)
+        program = dataclasses.replace(generate(args.seed, args.show), fusing=FUSINGS[args.fuser])
         print(program.source())
         print(check(program, delayed=True))
         return 0
@@ -79,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
         shrink_budget_s=args.shrink_seconds,
         delayed_every=1 if args.measure else args.delayed_every,
         weights=Weights(in_place_counts=(1.0,), lora_in_place=0.0) if args.measure else None,
+        fusing=FUSINGS[args.fuser],
         on_failure=on_failure,
         on_program=on_program,
     )

@@ -3,13 +3,14 @@ spent; each failure shrunk, attributed (te_v2's or Thunder's) and kept once per 
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from tests.fuzz.oracle import Verdict, check
-from tests.fuzz.programs import Program, Weights, generate
+from tests.fuzz.programs import FUSINGS, Fusing, Program, Weights, generate
 from tests.fuzz.shrink import shrink
 
 
@@ -90,13 +91,15 @@ def run(
     stop_at_first: bool = False,
     shrink_thunder: bool = True,
     weights: Weights | None = None,
+    fusing: Fusing = FUSINGS["none"],
     on_failure: Callable[[Failure], None] | None = None,
     on_program: Callable[[int, Program, Verdict], None] | None = None,
 ) -> Summary:
     """Check programs ``start``, ``start + 1``, ... of ``seed`` until ``seconds`` have passed
     (shrinking included; no new program starts after) or ``count`` programs ran; every
     ``delayed_every``-th also with delayed scaling (0: none). ``stop_at_first``: stop at te_v2's
-    first failure; ``shrink_thunder`` False leaves Thunder's own failures as found."""
+    first failure; ``shrink_thunder`` False leaves Thunder's own failures as found; ``fusing``:
+    how the compiled runs fuse."""
     summary = Summary(seed)
     t0 = time.monotonic()
     seen: dict[tuple[str, ...], int] = {}  # failure signature: index of its first program
@@ -104,7 +107,7 @@ def run(
     while (seconds is None or time.monotonic() - t0 < seconds) and (
         count is None or summary.programs < count
     ):
-        program = generate(seed, index, weights)
+        program = dataclasses.replace(generate(seed, index, weights), fusing=fusing)
         verdict = check(program, delayed=delayed_every > 0 and index % delayed_every == 0)
         summary.programs += 1
         summary.statuses[verdict.status] += 1

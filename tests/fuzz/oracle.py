@@ -38,7 +38,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import thunder
 import torch
 
 from te_v2_executor import ClaimPolicy, current_scaling, delayed_scaling, make_te_v2
@@ -130,8 +129,8 @@ def _one_step(program: Program, model: torch.nn.Module, fn: Callable[..., Any], 
 
 
 def execute(program: Program, how: str, *, recipe: RecipeSpec | None = None, steps: int = 1) -> list[Run]:
-    """Run ``program`` ``steps`` times: "eager", "emulation", "te_v2" or "thunder" (Thunder's
-    default executors, to tell a Thunder bug from te_v2's)."""
+    """Run ``program`` ``steps`` times: "eager", "emulation", "te_v2" or "thunder" (Thunder
+    without te_v2, fused as te_v2's run is, to tell a Thunder bug from te_v2's)."""
     recipe = recipe or current_scaling()
     claim = ClaimPolicy(min_features=program.min_features)
     ns = program.namespace()
@@ -140,9 +139,9 @@ def execute(program: Program, how: str, *, recipe: RecipeSpec | None = None, ste
         model = ns["make_model"]()
         fn: Callable[..., Any] = model
         if how == "te_v2":
-            fn = thunder.jit(model, executors=[make_te_v2(backend="reference", recipe=recipe, claim=claim)])
+            fn = program.fusing.jit(model, make_te_v2(backend="reference", recipe=recipe, claim=claim))
         elif how == "thunder":
-            fn = thunder.jit(model)
+            fn = program.fusing.jit(model)
         runs = []
         for _ in range(steps):
             if how == "emulation":

@@ -93,8 +93,40 @@ class Op:
 
 
 @dataclass(frozen=True)
+class Fusing:
+    """How the compiled runs fuse: the executors listed after te_v2 (and alone in Thunder's own
+    run), by Thunder's names, and ``thunder.jit``'s compile options; none, Thunder's defaults."""
+
+    executors: tuple[str, ...] = ()
+    options: tuple[tuple[str, Any], ...] = ()
+
+    def jit(self, model: Any, te_v2: Any = None) -> Any:
+        """``model`` through Thunder, te_v2 first when given."""
+        import thunder
+
+        executors = [*([te_v2] if te_v2 is not None else []), *map(thunder.get_executor, self.executors)]
+        return thunder.jit(model, executors=executors or None, **dict(self.options))
+
+    def source(self, te_v2: str) -> str:
+        """The ``thunder.jit`` call of :meth:`jit`, with te_v2 as the name ``te_v2``, as source."""
+        executors = ", ".join([te_v2, *(f"thunder.get_executor({e!r})" for e in self.executors)])
+        options = "".join(f", {k}={v!r}" for k, v in self.options)
+        return f"thunder.jit(model, executors=[{executors}]{options})"
+
+
+# ``--fuser`` choices: te_v2 alone, as ``thunder.jit(model, executors=[te_v2])`` compiles; or
+# followed by torch.compile's executor with the dataflow fusion thunderfx selects, which orders
+# the trace anew by its data dependencies.
+FUSINGS = {
+    "none": Fusing(),
+    "torch.compile": Fusing(("torchcompile",), (("fusion_type", "dataflow"),)),
+}
+
+
+@dataclass(frozen=True)
 class Program:
-    """A generated program: a model, its inputs and its loss, for one ``ClaimPolicy``."""
+    """A generated program: a model, its inputs and its loss, for one ``ClaimPolicy``, compiled
+    as ``fusing`` says."""
 
     seed: int
     index: int
@@ -105,6 +137,7 @@ class Program:
     outputs: tuple[str, ...]
     loss: str  # "squares" or "cotangent"
     meta: dict[str, Meta] = field(compare=False, repr=False)
+    fusing: Fusing = field(default=FUSINGS["none"], compare=False)
 
     @property
     def torch_seed(self) -> int:
@@ -204,7 +237,7 @@ def run(how):
     if how == "te_v2":
         claim = ClaimPolicy(min_features={self.min_features})
         ex = make_te_v2(backend="reference", recipe=current_scaling(), claim=claim)
-        fn = thunder.jit(model, executors=[ex])
+        fn = {self.fusing.source("ex")}
     try:
         if how == "emulation":  # the eager FP8 emulation lives in the te_v2 repository's tests
             from tests.helpers import eager_emulation
