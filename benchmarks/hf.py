@@ -174,6 +174,8 @@ ABLATIONS = {
     "thunderfx + te_v2, sdpa then torch.compile": (_thunderfx(_te_v2_sdpa_first), True),
     **{f"thunderfx + te_v2 without {name}": (_thunderfx(_te_v2_without(name)), True) for name in OPTIONAL},
 }
+# Every variant a worker can run, by name.
+RUNNABLE = {**VARIANTS, **ABLATIONS}
 
 
 def build_model(model: str, scenario: str) -> torch.nn.Module:
@@ -270,7 +272,7 @@ def loss_of(fn: Callable) -> Callable[[torch.Tensor], torch.Tensor]:
 
 def run_worker(model_name: str, scenario: str, variant: str, *, warmup: int, steps: int) -> dict[str, Any]:
     """One variant of one model and scenario in this process: figures and gradient cosines."""
-    build, fp8 = {**VARIANTS, **ABLATIONS}[variant]
+    build, fp8 = RUNNABLE[variant]
     warm_up_process()
     model = build_model(model_name, scenario)
     ids = batch(model_name)
@@ -366,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", choices=tuple(MODELS), default=list(MODELS))
     parser.add_argument("--scenarios", nargs="+", choices=SCENARIOS, default=list(SCENARIOS))
-    parser.add_argument("--variants", nargs="+", choices=(*VARIANTS, *ABLATIONS), default=list(VARIANTS))
+    parser.add_argument("--variants", nargs="+", choices=tuple(RUNNABLE), default=list(VARIANTS))
     parser.add_argument("--out", type=Path, default=Path("results/hf"))
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--steps", type=int, default=20)

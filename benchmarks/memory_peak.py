@@ -60,10 +60,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=tuple(hf.MODELS), default="8b")
     parser.add_argument("--scenario", choices=hf.SCENARIOS, default="full")
-    parser.add_argument("--variant", choices=(*hf.VARIANTS, *hf.ABLATIONS), default="thunderfx + te_v2")
+    parser.add_argument("--variant", choices=tuple(hf.RUNNABLE), default="thunderfx + te_v2")
     parser.add_argument("--top", type=int, default=25, help="allocation sites printed")
     args = parser.parse_args(argv)
-    build, fp8 = {**hf.VARIANTS, **hf.ABLATIONS}[args.variant]
+    build, fp8 = hf.RUNNABLE[args.variant]
     warm_up_process()
     model = hf.build_model(args.model, args.scenario)
     step = make_step(hf.loss_of(build(model)), model, hf.batch(args.model), fp8=fp8, training=True)

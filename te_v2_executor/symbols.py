@@ -279,11 +279,6 @@ def _widen_impl(a: torch.Tensor, after, *, dtype: torch.dtype) -> torch.Tensor:
 WIDEN = ops.register_operator("te_v2_widen", meta=_widen_meta, fn=_widen_impl)
 
 
-def is_te_v2(bsym: BoundSymbol) -> bool:
-    """Whether ``bsym`` is one of te_v2's own symbols, which no fuser fuses."""
-    return bsym.sym.executor is ops
-
-
 # ---- a write into a tensor, ordered after te_v2's reads of it (``passes/write_order.py``) ---
 # Returns ``a`` itself; the in-place op writes through it. ``after``: outputs of the te_v2 symbols
 # that read ``a``'s storage before the write, which a fuser could otherwise order after it.
@@ -391,6 +386,11 @@ LINEAR_IDS = (ltorch.linear.id, prims.linear.id)
 def is_thunder_linear(bsym: BoundSymbol) -> bool:
     """A linear te_v2 did not claim: Thunder's own, or the torch executor's that runs it."""
     return bsym.sym.id in LINEAR_IDS or bsym.sym is torchex.linear
+
+
+def is_te_v2(bsym: BoundSymbol) -> bool:
+    """Whether ``bsym`` is one of te_v2's own symbols, which no fuser fuses."""
+    return bsym.sym.executor is ops
 
 
 def in_backward(bsym: BoundSymbol) -> bool:

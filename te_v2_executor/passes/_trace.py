@@ -13,7 +13,7 @@ from thunder.core.symbol import BoundSymbol
 from thunder.core.trace import TraceCtx, from_trace
 
 from te_v2_executor.passes._writes import Writes
-from te_v2_executor.symbols import ACCUMULATE_ARG, UNQUANTIZED_FWD, arg
+from te_v2_executor.symbols import ACCUMULATE_ARG, UNQUANTIZED_FWD, arg, in_backward
 
 # A fold a pass may make: (the bound symbols it absorbs, the one that replaces the last of them).
 Fold = tuple[tuple[BoundSymbol, ...], BoundSymbol]
@@ -54,12 +54,26 @@ def spliced(
     return bsyms
 
 
-def replaced(trace: TraceCtx, swapped: dict[int, BoundSymbol], dropped: set[int]) -> TraceCtx:
-    """``trace`` with the bound symbols keyed (by id) in ``swapped`` replaced and those in
-    ``dropped`` removed; ``trace`` itself when nothing is swapped."""
+def replaced(
+    trace: TraceCtx,
+    swapped: dict[int, BoundSymbol],
+    dropped: set[int] = frozenset(),
+    inserted: dict[int, list[BoundSymbol]] | None = None,
+) -> TraceCtx:
+    """``trace`` spliced as ``spliced`` says; ``trace`` itself when nothing is swapped."""
     if not swapped:
         return trace
-    return with_bound_symbols(trace, spliced(trace, swapped, dropped=dropped))
+    return with_bound_symbols(trace, spliced(trace, swapped, dropped=dropped, inserted=inserted))
+
+
+def made_in_backward(reader: BoundSymbol, producers: Any) -> TensorProxy | None:
+    """The first tensor ``reader`` reads that the backward makes (a dgrad's ``dy_q``), for a
+    symbol placed before ``reader`` to wait for; None when it reads only forward tensors."""
+    for a in reader.flat_proxy_args:
+        producer = producers.get(a, None) if isinstance(a, TensorProxy) else None
+        if producer is not None and in_backward(producer):
+            return a
+    return None
 
 
 def fold(trace: TraceCtx, folds: Callable[[BoundSymbol, Any, Any], Iterator[Fold]]) -> TraceCtx:

@@ -31,9 +31,9 @@ from thunder.core.proxies import AnyProxy, ProxyTag, TensorProxy, variableify
 from thunder.core.symbol import BoundSymbol, BoundSymbolTag
 from thunder.core.trace import TraceCtx, tracectx
 
-from te_v2_executor.passes._trace import spliced, with_bound_symbols
+from te_v2_executor.passes._trace import made_in_backward, replaced
 from te_v2_executor.passes._writes import Writes
-from te_v2_executor.symbols import LINEAR_DGRAD, LINEAR_FWD, arg, in_backward, with_args
+from te_v2_executor.symbols import LINEAR_FWD, arg, in_backward, with_args
 
 
 def _is_parameter(w: TensorProxy, producers: Any) -> bool:
@@ -43,12 +43,11 @@ def _is_parameter(w: TensorProxy, producers: Any) -> bool:
     return not made_here and ProxyTag.STATIC_MEMORY_LOCATION in w.tags
 
 
-def _recast(fwd: BoundSymbol, trace: TraceCtx, first_reader: BoundSymbol) -> BoundSymbol:
+def _recast(fwd: BoundSymbol, trace: TraceCtx, after: TensorProxy | None) -> BoundSymbol:
     """The backward's cast of ``fwd``'s weight alone: its column-wise FP8 copy, in a new proxy,
-    ordered after the gradient its first dgrad reads (``after``), so that no reordering of the
+    ordered after ``after`` (the gradient its first dgrad reads), so that no reordering of the
     backward casts it long before that dgrad."""
     w_saved = fwd.output[2]
-    after = arg(first_reader, "dy_q") if first_reader.sym is LINEAR_DGRAD else None
     with tracectx(trace):
         copy, marker = TensorProxy(like=w_saved), AnyProxy(None, prefix="amax_ready")
     recast = with_args(
@@ -89,13 +88,11 @@ def recast_weights(trace: TraceCtx) -> TraceCtx:
         ):
             continue
         first_reader = min(readers, key=writes.position)
-        recast = _recast(bsym, trace, first_reader)
+        recast = _recast(bsym, trace, made_in_backward(first_reader, producers))
         inserted.setdefault(writes.position(first_reader), []).append(recast)
         y, x_saved, _, amax_ready = bsym.output
         swapped[id(bsym)] = with_args(bsym, save_weight=False, output=(y, x_saved, None, amax_ready))
         swap = {variableify(w_saved): recast.output[2]}
         for reader in readers:  # dgrads, each reading one weight copy
             swapped[id(reader)] = reader.from_bsym_swap_proxies(swap, skip_output=True)
-    if not swapped:
-        return trace
-    return with_bound_symbols(trace, spliced(trace, swapped, inserted=inserted))
+    return replaced(trace, swapped, inserted=inserted)

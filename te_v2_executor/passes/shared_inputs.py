@@ -31,7 +31,7 @@ from thunder.core.proxies import TensorProxy, variableify
 from thunder.core.symbol import BoundSymbol
 from thunder.core.trace import TraceCtx, tracectx
 
-from te_v2_executor.passes._trace import spliced, with_bound_symbols
+from te_v2_executor.passes._trace import replaced
 from te_v2_executor.passes._writes import Writes
 from te_v2_executor.symbols import (
     LINEAR_FWD,
@@ -129,4 +129,4 @@ def share_input_casts(trace: TraceCtx) -> TraceCtx:
     swap = {variableify(p): shared for p, shared in replaced_by}
     for reader in (r for p, _ in replaced_by for r in consumers.get(p, [])):  # the wgrads
         swapped[id(reader)] = reader.from_bsym_swap_proxies(swap, skip_output=True)
-    return with_bound_symbols(trace, spliced(trace, swapped, inserted=inserted))
+    return replaced(trace, swapped, inserted=inserted)

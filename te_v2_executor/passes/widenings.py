@@ -28,7 +28,7 @@ from thunder.core.pytree import tree_flatten
 from thunder.core.symbol import BoundSymbol, BoundSymbolTag
 from thunder.core.trace import TraceCtx, from_trace, tracectx
 
-from te_v2_executor.passes._trace import exact_widening, spliced
+from te_v2_executor.passes._trace import exact_widening, made_in_backward, spliced
 from te_v2_executor.passes._writes import Writes
 from te_v2_executor.symbols import WIDEN, in_backward, is_te_v2
 
@@ -87,14 +87,6 @@ class _Recomputation:
             and self.writes.reaches(cast.args[0], self.writes.position(cast), readers)
         )
 
-    def _made_in_backward(self, reader: BoundSymbol) -> TensorProxy | None:
-        """A tensor ``reader`` reads that the backward makes, for a copy to wait for."""
-        for a in reader.flat_proxy_args:
-            producer = self.producers.get(a, None) if isinstance(a, TensorProxy) else None
-            if producer is not None and in_backward(producer):
-                return a
-        return None
-
     def copy(self, p: TensorProxy, readers: list[BoundSymbol]) -> TensorProxy | None:
         """The backward copy of ``p`` for ``readers``, None where ``p`` is no widening chain's
         result or may not be recomputed; a chain's ops are copied once, before the first reader
@@ -105,7 +97,7 @@ class _Recomputation:
             return None
         first = min(readers, key=self.writes.position)
         at = self.writes.position(first)
-        after = self._made_in_backward(first) if all(map(is_te_v2, readers)) else None
+        after = made_in_backward(first, self.producers) if all(map(is_te_v2, readers)) else None
         swap: dict = {}
         for bsym in chain:
             if bsym.output.name not in self.copy_of:

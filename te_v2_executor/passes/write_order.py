@@ -17,7 +17,7 @@ from thunder.core.proxies import Proxy, TensorProxy, variableify
 from thunder.core.symbol import BoundSymbol, BoundSymbolTag
 from thunder.core.trace import TraceCtx, tracectx
 
-from te_v2_executor.passes._trace import spliced, with_bound_symbols
+from te_v2_executor.passes._trace import replaced
 from te_v2_executor.passes._writes import Writes, written_tensor
 from te_v2_executor.symbols import ORDERED, in_backward, is_te_v2
 
@@ -56,6 +56,4 @@ def order_writes(trace: TraceCtx) -> TraceCtx:
             wait.tags.add(BoundSymbolTag.BACKWARD)
         inserted.setdefault(at, []).append(wait)
         swapped[id(writer)] = writer.from_bsym_swap_proxies({variableify(target): through}, skip_output=True)
-    if not swapped:
-        return trace
-    return with_bound_symbols(trace, spliced(trace, swapped, inserted=inserted))
+    return replaced(trace, swapped, inserted=inserted)

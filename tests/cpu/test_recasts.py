@@ -22,6 +22,7 @@ from te_v2_executor import (
     explain,
     make_te_v2,
 )
+from te_v2_executor.compiled import compiled_functions
 from te_v2_executor.symbols import QUANTIZE_GRAD_OUTPUT, is_recast
 from tests.helpers import CLAIM_ALL, assert_trained_alike, train_steps
 from tests.models import Checkpointed, LoRAStack, SharedWeight, Stack, every_even
@@ -83,8 +84,7 @@ def test_each_recast_runs_between_its_dgrad_gradient_and_its_dgrad(jit):
     else:
         compiled = thunder.jit(model, executors=executors)
     compiled(torch.randn(TOKENS, DIM, requires_grad=True)).sum().backward()
-    if jit == "thunderfx":
-        (compiled,) = compiled._backend.subgraph_infos[0].thunder_compiled_fns
+    (compiled,) = compiled_functions(compiled)
     backward = thunder.last_backward_traces(compiled)
     order = backward[-1].bound_symbols
     recasts = [at for at, b in enumerate(order) if is_recast(b)]

@@ -14,6 +14,7 @@ from thunder.dynamo import thunderfx
 from thunder.executors.torch_compile import torch_compile_ex
 
 from te_v2_executor import make_te_v2
+from te_v2_executor.compiled import compiled_functions
 from te_v2_executor.symbols import UNQUANTIZED_DGRAD, UNQUANTIZED_WGRAD
 from tests.helpers import forward_trace
 
@@ -98,7 +99,7 @@ def test_an_adapters_float32_copy_is_made_where_its_wgrad_runs():
     compiled = thunderfx(model, executors=[make_te_v2(backend="reference"), torch_compile_ex])
     x = torch.randn(TOKENS, DIM, dtype=torch.bfloat16, requires_grad=True)
     F.cross_entropy(compiled(x).float(), torch.arange(TOKENS) % VOCAB).backward()
-    (jitted,) = compiled._backend.subgraph_infos[0].thunder_compiled_fns
+    (jitted,) = compiled_functions(compiled)
     order = thunder.last_backward_traces(jitted)[-1].bound_symbols
     made_at = {p.name: at for at, b in enumerate(order) for p in b.flat_proxy_outs}
     (adapter_wgrad,) = [b for b in order if b.sym is UNQUANTIZED_WGRAD and b.output.shape == (RANK, DIM)]
