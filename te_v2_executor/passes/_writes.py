@@ -69,8 +69,13 @@ _VIEW_NAMES = frozenset(
     | _VIEW_OPS
 ) - {"to", "convert_element_type"}
 # Reads of a proxy that do not read its values: a cotangent placeholder, the renaming of a
-# written tensor's aliases, the trace's return.
-_NOT_VALUE_READS = frozenset({"get_grad", "update_aliases", "python_return", "python_del"})
+# written tensor's aliases, the trace's return, and te_v2's ordering of a write.
+_NOT_VALUE_READS = frozenset({"get_grad", "update_aliases", "python_return", "python_del", ORDERED.name})
+
+
+def reads_values(bsym: BoundSymbol) -> bool:
+    """Whether ``bsym`` reads the values of the tensors it takes (not only their names)."""
+    return bsym.sym.name not in _NOT_VALUE_READS
 
 
 def _tensors(values: Iterable[Any]) -> list[TensorProxy]:
@@ -210,7 +215,7 @@ class Writes:
         """Reads of a proxy after a later write into its storage: the reader sees values the proxy
         did not hold when it was made."""
         for j, bsym in enumerate(self.bound_symbols):
-            if bsym.sym.name in _NOT_VALUE_READS:
+            if not reads_values(bsym):
                 continue
             for p in _tensors(bsym.flat_args):
                 made = self._defined.get(p.name, -1)

@@ -1,25 +1,29 @@
-"""Pass ``write_order``: every in-place write waits for te_v2's reads of the tensor it writes.
+"""Pass ``write_order``: every in-place write waits for the earlier reads of the tensor it writes.
 
 Thunder keeps an in-place op in the trace as a write, with ``update_aliases`` renaming the written
 tensor for the readers after it; a reader before the write has no data dependency on it. A fuser
 that orders by data dependencies alone (Thunder's dataflow fusion, which thunderfx selects) may
-then put the write, fused into a region with the ops around it, before a te_v2 symbol that reads
-the tensor: no fuser takes te_v2's symbols into its regions, so nothing keeps them in place. The
-te_v2 symbol then reads the written values, silently (``y = linear(h); h.mul_(2)`` gave a
-doubled ``y``). Here the write reads its tensor through ``te_v2_ordered``, which returns it
-unchanged and takes an output of each te_v2 symbol that read it before, in the same half of the
-trace (the backward runs after the whole forward anyway).
+then fuse the write into a region that runs before such a reader. Without te_v2 the whole program
+is one region, whose code keeps the order; te_v2's symbols, which no fuser takes in, split it, and
+the write went before a te_v2 GEMM that read the tensor (``y = linear(h); h.mul_(2)`` gave a
+doubled ``y``), or before the region of a sum that came after one (``v = a(x); s = v + b(x);
+v.mul_(0.5)`` halved ``s``), silently. Here the write reads its tensor through ``te_v2_ordered``,
+which returns it unchanged and takes an output of each earlier reader the write does not already
+depend on, in the same half of the trace (the backward runs after the whole forward anyway).
 """
 
 from __future__ import annotations
 
+from typing import Any
+
+from thunder.core import utils
 from thunder.core.proxies import Proxy, TensorProxy, variableify
 from thunder.core.symbol import BoundSymbol, BoundSymbolTag
 from thunder.core.trace import TraceCtx, tracectx
 
 from te_v2_executor.passes._trace import replaced
-from te_v2_executor.passes._writes import Writes, written_tensor
-from te_v2_executor.symbols import ORDERED, in_backward, is_te_v2
+from te_v2_executor.passes._writes import Writes, reads_values, written_tensor
+from te_v2_executor.symbols import ORDERED, in_backward
 
 
 def _marker(bsym: BoundSymbol) -> Proxy | None:
@@ -29,20 +33,36 @@ def _marker(bsym: BoundSymbol) -> Proxy | None:
     return next((o for o in outs if not isinstance(o, TensorProxy)), outs[0] if outs else None)
 
 
+def _ancestors(bsym: BoundSymbol, producers: Any) -> set[int]:
+    """The ids of the bound symbols ``bsym`` depends on through its arguments."""
+    found: set[int] = set()
+    stack = [bsym]
+    while stack:
+        for a in stack.pop().flat_proxy_args:
+            producer = producers.get(a, None)
+            if producer is not None and id(producer) not in found:
+                found.add(id(producer))
+                stack.append(producer)
+    return found
+
+
 def order_writes(trace: TraceCtx) -> TraceCtx:
-    """Have each write into a tensor that a te_v2 symbol read before it wait for that symbol."""
-    writes = Writes(trace)
+    """Have each write into a tensor wait for the earlier readers of its storage it does not
+    already depend on."""
+    writes, producers = Writes(trace), utils.producers(trace)
     order = trace.bound_symbols
     swapped: dict[int, BoundSymbol] = {}
     inserted: dict[int, list[BoundSymbol]] = {}
     for at, writer in enumerate(order):
         target = written_tensor(writer)
-        if target is None or is_te_v2(writer):
+        if target is None:
             continue
+        ancestors = _ancestors(writer, producers)
         markers = [
             m
             for r in order[:at]
-            if is_te_v2(r)
+            if id(r) not in ancestors
+            and reads_values(r)
             and in_backward(r) == in_backward(writer)
             and any(writes.same_storage(p, target) for p in r.flat_proxy_args if isinstance(p, TensorProxy))
             and (m := _marker(r)) is not None
