@@ -211,6 +211,25 @@ class WriteIntoInputBeforeAdapter(nn.Module):
         return result + self.lora_B(self.lora_A(x))
 
 
+class SumBesideAWrite(nn.Module):
+    """x and then a's output are written in place, the second after a sum read it. With a 32-feature
+    floor (``ClaimPolicy(min_features=32)``) a and c fall back to Thunder and b alone is te_v2's,
+    so the sum, fused beside b, is the only earlier reader of a's output, and not te_v2's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(32, 24, bias=False).requires_grad_(False)
+        self.b = nn.Linear(32, 16, bias=False).requires_grad_(False)
+        self.c = nn.Linear(16, 24, bias=False).requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x.mul_(2.0)
+        v = self.a(x)
+        s = v + self.c(self.b(x))
+        v.mul_(0.5)
+        return s
+
+
 class SavedThenWritten(nn.Module):
     """b saves h for its weight gradient, then h is written in place: eager refuses the backward.
     ``through``: the write goes into h itself ("tensor"), a slice of it or a view of it."""

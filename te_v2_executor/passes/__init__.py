@@ -172,7 +172,7 @@ PIPELINE: tuple[Pass, ...] = (
     Pass(
         "write_order",
         lambda trace, context: write_order.order_writes(trace),
-        "each in-place write waits for the te_v2 symbols that read its tensor before it",
+        "each in-place write waits for every earlier reader of its storage it does not already depend on",
         "last: after every pass that adds or moves a te_v2 read",
         "writes into existing storage are explicit, as Writes reads them",
     ),

@@ -16,7 +16,7 @@ from torch import nn
 from te_v2_executor import ClaimPolicy, TEv2FallbackWarning, explain, make_te_v2
 from te_v2_executor.symbols import UNQUANTIZED_FWD, arg
 from tests.helpers import CLAIM_ALL, assert_like_eager, bsyms_of, forward_trace
-from tests.models import SavedThenWritten, WriteAfterAdapter, WriteIntoInputBeforeAdapter
+from tests.models import SavedThenWritten, SumBesideAWrite, WriteAfterAdapter, WriteIntoInputBeforeAdapter
 
 # The default policy runs these 64- and 16-feature linears unquantized, in float32: te_v2 must
 # compute what eager computes, up to the summation order of a GEMM that accumulates.
@@ -37,6 +37,14 @@ def test_a_fuser_ordering_by_data_keeps_each_write_after_te_v2s_reads(model, gra
     tensor earlier (no fuser takes te_v2's symbols in), which then read the written values."""
     executors = [make_te_v2(backend="reference"), torch_compile_ex]
     assert_like_eager(model(), torch.randn(32, 64), executors, grad=grad, jit=thunderfx, **TOLS)
+
+
+def test_a_write_waits_for_every_earlier_reader_not_only_te_v2s():
+    """A sum Thunder fused beside a te_v2 GEMM read a's output, which is then halved in place: the
+    dataflow partitioner put the write's region before the sum's, so the sum read halved values
+    (found by ``python -m tests.fuzz --fuser torch.compile --seed 12``, program 39)."""
+    executors = [make_te_v2(backend="reference", claim=ClaimPolicy(min_features=32)), torch_compile_ex]
+    assert_like_eager(SumBesideAWrite(), torch.randn(64, 32), executors, grad=False, jit=thunderfx, **TOLS)
 
 
 def test_the_fold_away_from_the_write_is_still_made():
