@@ -69,16 +69,24 @@ def _cold_env(cache: Path) -> dict[str, str]:
     }
 
 
-def _thunderfx(listing: Callable[[], list]) -> Callable[[torch.nn.Module], Callable]:
-    """The builder of a thunderfx callable with the executors ``listing()`` lists, imported in
-    the worker that builds it."""
+def _thunderfx(
+    listing: Callable[[], list], transforms: Callable[[], list] = list
+) -> Callable[[torch.nn.Module], Callable]:
+    """The builder of a thunderfx callable with the executors ``listing()`` lists and the
+    transforms ``transforms()`` makes, imported in the worker that builds it."""
 
     def build(model: torch.nn.Module) -> Callable:
         from thunder.dynamo import thunderfx
 
-        return thunderfx(model, executors=listing())
+        return thunderfx(model, executors=listing(), transforms=transforms())
 
     return build
+
+
+def _cuda_graphs() -> list:
+    from te_v2_executor import TEv2CUDAGraphTransform
+
+    return [TEv2CUDAGraphTransform()]
 
 
 def _te_v2_fusers() -> list:
@@ -176,6 +184,7 @@ VARIANTS: dict[str, tuple[Callable[[torch.nn.Module], Callable], bool]] = {
     "thunderfx BF16": (_thunderfx(_te_v2_fusers), False),
     "thunderfx + built-in TE": (_builtin_te, True),
     "thunderfx + te_v2": (_thunderfx(_te_v2_default), True),
+    "thunderfx + te_v2 + CUDA graphs": (_thunderfx(_te_v2_default, _cuda_graphs), True),
 }
 # Ablations of the default list, for choosing it, and of each optional pass, for keeping it: run
 # with --variants.
