@@ -13,7 +13,6 @@ import warnings
 from collections.abc import Iterable
 from typing import Any
 
-import thunder
 from thunder.core.compile_data import get_compile_data
 from thunder.core.symbol import BoundSymbol
 from thunder.core.trace import TraceCtx
@@ -24,7 +23,7 @@ from te_v2_executor import passes, report
 from te_v2_executor.backends import Backend
 from te_v2_executor.checks import Decision
 from te_v2_executor.config import ClaimPolicy, TEv2Config
-from te_v2_executor.fusers import after, elementwise_fuser, fuses_elementwise, missing_fuser
+from te_v2_executor.fusers import after, fast_after_te_v2, missing_fuser
 from te_v2_executor.lowering import LinearLowering
 from te_v2_executor.recipes import RecipeSpec
 from te_v2_executor.state import registry_for
@@ -144,12 +143,7 @@ def make_te_v2(
 
 def executors(te_v2_executor: TEv2Executor | None = None) -> list[Executor]:
     """The executor list te_v2 runs fastest in: ``te_v2_executor`` (``te_v2`` when None), then
-    Thunder's default executors where they include nvFuser (with cuDNN and SDPA for attention),
-    else Thunder's torch.compile executor alone, whose regions take attention too
-    (docs/performance.md, "Real models"). Pass it as ``executors=`` to ``thunder.jit`` or
-    ``thunderfx``."""
-    first = te_v2_executor or te_v2
-    defaults = list(thunder.get_default_executors())
-    if any(fuses_elementwise(ex) for ex in defaults):
-        return [first, *defaults]
-    return [first, elementwise_fuser()]
+    Thunder's SDPA executor for attention and Thunder's torch.compile executor for the ops
+    between te_v2's GEMMs (``fusers.fast_after_te_v2``; docs/performance.md, "Real models").
+    Pass it as ``executors=`` to ``thunder.jit`` or ``thunderfx``."""
+    return [te_v2_executor or te_v2, *fast_after_te_v2()]

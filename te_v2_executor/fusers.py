@@ -1,11 +1,14 @@
-"""Which fusion executor to list after te_v2, and whether an executor list has one.
+"""Which executors to list after te_v2, and whether an executor list fuses elementwise ops.
 
 te_v2 fuses nothing itself: the norms, activations, rotary embeddings and residual adds between
-its GEMMs are fused by the executor listed after it. nvFuser does that where it is installed
-(Thunder then lists it among its default executors); without it, Thunder's default executors
+its GEMMs are fused by the executor listed after it. Without nvFuser, Thunder's default executors
 (cuDNN, SDPA and a torch.compile executor for cross-entropy alone) fuse none of them, and each
 runs as a kernel of its own: on a Llama block that made te_v2 1.4 to 1.6x slower than with
-Thunder's general torch.compile executor after it (docs/performance.md).
+Thunder's general torch.compile executor after it. That executor is the one measured fastest
+after te_v2, and runs everywhere Thunder does; nvFuser, where installed, failed on a Hugging Face
+Llama through thunderfx (docs/performance.md, "Real models"), so it is listed only on request.
+Attention goes to Thunder's SDPA executor (PyTorch's fused attention kernels): no fuser claims
+it, and Thunder would otherwise decompose it into two matrix products and a softmax.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from thunder.core import prims
-from thunder.extend import FusionExecutor
+from thunder.extend import Executor, FusionExecutor
 
 
 def fuses_elementwise(ex: Any) -> bool:
@@ -27,15 +30,16 @@ def fuses_elementwise(ex: Any) -> bool:
     )
 
 
-def elementwise_fuser() -> FusionExecutor:
-    """nvFuser where it is installed, else Thunder's torch.compile executor."""
-    from thunder.executors.nvfuserex import nvfuserex
+def fast_after_te_v2() -> list[Executor]:
+    """Thunder's SDPA executor for attention, then Thunder's torch.compile executor for the rest.
 
-    if nvfuserex is not None:
-        return nvfuserex
+    Not cuDNN's attention executor, which Thunder lists first among its defaults: Thunder 0.2.6's
+    raises while checking an attention with the cuDNN frontend of 2026 (``'pygraph' object has no
+    attribute 'scaled_dot_product_flash_attention'``), failing the compilation."""
+    from thunder.executors.sdpaex import sdpa_ex
     from thunder.executors.torch_compile import torch_compile_ex
 
-    return torch_compile_ex
+    return [sdpa_ex, torch_compile_ex]
 
 
 def after(listed: list[Any], te_v2: Any) -> list[Any]:
@@ -53,6 +57,6 @@ def missing_fuser(listed: list[Any], te_v2: Any) -> str:
     return (
         f"te_v2: no executor listed after {te_v2.name!r} fuses elementwise ops (after it: {names}), so "
         "the norms, activations and residual adds between te_v2's GEMMs run one kernel each, as in "
-        "eager mode; use executors=te_v2_executor.executors(), which lists te_v2 then nvFuser where "
-        "it is installed, else Thunder's torch.compile executor"
+        "eager mode; use executors=te_v2_executor.executors(), which lists te_v2, Thunder's SDPA "
+        "executor, then Thunder's torch.compile executor"
     )

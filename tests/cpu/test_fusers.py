@@ -25,6 +25,16 @@ def test_executors_list_te_v2_first_then_a_fuser():
     assert executors(mine)[0] is mine and executors(mine)[1:] == listed[1:]
 
 
+def test_executors_list_pytorchs_attention_then_torch_compile_not_cudnn():
+    """Without an attention executor Thunder decomposes a scaled-dot-product attention inside a
+    region into two matrix products and a softmax (tests/gpu/test_hf_models.py runs one); Thunder
+    0.2.6's cuDNN one raises while checking it with a current cuDNN frontend."""
+    from thunder.executors.sdpaex import sdpa_ex
+
+    assert executors()[1:] == [sdpa_ex, torch_compile_ex]
+    assert "cudnn" not in {ex.name for ex in executors()}
+
+
 def test_a_list_with_no_fuser_after_te_v2_is_named_with_the_fix():
     defaults = list(thunder.get_default_executors())
     if any(fuses_elementwise(ex) for ex in defaults):  # nvFuser installed: Thunder's list fuses

@@ -30,11 +30,36 @@ MIN_COSINE = 0.9
 
 
 def _grads(fn, model: torch.nn.Module, ids: torch.Tensor) -> dict[str, torch.Tensor]:
-    from benchmarks.hf import family_grads
+    from benchmarks.hf import family_grads, loss_of
 
     model.zero_grad(set_to_none=True)
-    fn(input_ids=ids, labels=ids).loss.backward()
+    loss_of(fn)(ids).backward()
     return family_grads(model)
+
+
+def _executors_run(traces) -> set[str]:
+    """The names of the executors whose own symbols ``traces`` call."""
+    return {b.sym.executor.name for t in traces for b in t.bound_symbols if getattr(b.sym, "executor", None)}
+
+
+def test_attention_runs_on_an_attention_kernel_not_as_matrix_products():
+    """Thunder decomposes an SDPA no listed executor claims into two matmuls and a softmax (the
+    full sequence-by-sequence matrix, forward and backward); ``executors()`` lists Thunder's SDPA
+    executor ahead of the fuser, so that it runs PyTorch's fused attention instead."""
+    import thunder
+    import torch.nn.functional as F
+
+    from te_v2_executor import executors
+
+    q, k, v = (
+        torch.randn(2, 4, 256, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3)
+    )
+    jitted = thunder.jit(
+        lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True), executors=executors()
+    )
+    jitted(q, k, v).sum().backward()
+    traces = [thunder.last_traces(jitted)[-1], thunder.last_backward_traces(jitted)[-1]]
+    assert "sdpa" in _executors_run(traces), [str(t) for t in traces]
 
 
 @pytest.mark.parametrize("compiled_first", [False, True], ids=["fresh", "after-torch.compile"])
