@@ -19,6 +19,7 @@ import cProfile
 import inspect
 import io
 import pstats
+import re
 import statistics
 import sys
 import time
@@ -30,7 +31,7 @@ import thunder
 import torch
 
 from benchmarks import shapes
-from benchmarks.measure import forget_variant, make_step, step_times_ms, without_te_gpu
+from benchmarks.measure import GEMM_KERNEL, forget_variant, make_step, step_times_ms, without_te_gpu
 from benchmarks.variants import build, reference_model, variants
 from te_v2_executor import TEv2FallbackWarning
 
@@ -109,13 +110,75 @@ def kernel_times(step) -> list[tuple[str, int, float]]:
     return sorted(found, key=lambda k: -k[2])
 
 
+# CUDA runtime calls after which the host has waited for the GPU.
+BLOCKING_CALLS = re.compile(r"Synchronize|cudaMemcpy(?!Async)|cudaMalloc|cudaFree|cudaHostAlloc")
+
+
+def timeline(step, path: Path) -> dict[str, float]:
+    """Profile one step's host and GPU activity into a gzipped Chrome trace at ``path``; return
+    the GPU's idle time between the step's first and last kernel, and the host time spent in
+    CUDA runtime calls that wait for the GPU or for the driver (``BLOCKING_CALLS``)."""
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
+        step()
+        torch.cuda.synchronize()
+    prof.export_chrome_trace(str(path))
+    kernels = sorted(
+        (e.time_range.start, e.time_range.end)
+        for e in prof.events()
+        if e.device_type == torch.autograd.DeviceType.CUDA
+    )
+    first = reach = kernels[0][0] if kernels else 0.0
+    busy = 0.0
+    for start, end in kernels:
+        busy += max(0.0, end - max(start, reach))
+        reach = max(reach, end)
+    blocking = [e for e in prof.events() if BLOCKING_CALLS.search(e.name)]
+    return {
+        "gpu_idle_ms": (reach - first - busy) / 1e3,
+        "blocking_calls": len(blocking),
+        "blocking_ms": sum(e.time_range.elapsed_us() for e in blocking) / 1e3,
+    }
+
+
 def kernel_table(kernels: list[tuple[str, int, float]]) -> str:
     lines = ["| kernel | launches | ms |", "| --- | --- | --- |"]
     lines += [f"| {name[:100]} | {count} | {ms:.3f} |" for name, count, ms in kernels]
     return "\n".join(lines)
 
 
-def python_profile(step, path: Path, kernels: list[tuple[str, int, float]], calls: str) -> None:
+# The kinds of kernel a training step runs, tried in order on each kernel's name.
+KERNEL_KINDS = (
+    ("GEMM", GEMM_KERNEL),
+    ("attention", re.compile(r"flash|fmha|attention", re.IGNORECASE)),
+    ("Triton (Inductor, te_v2's folds)", re.compile(r"^triton", re.IGNORECASE)),
+    (
+        "TE casts and amax updates",
+        re.compile(r"transformer_engine|cast|transpose|amax|quantize", re.IGNORECASE),
+    ),
+    ("reductions", re.compile(r"reduce|softmax|norm", re.IGNORECASE)),
+    ("elementwise and copies", re.compile(r"elementwise|copy|fill|memset|memcpy", re.IGNORECASE)),
+)
+
+
+def kernel_kinds(kernels: list[tuple[str, int, float]]) -> str:
+    """A markdown table of one step's GPU time and launches per kind of kernel (``KERNEL_KINDS``,
+    "other" for the rest), with the total."""
+    totals: dict[str, list[float]] = {name: [0, 0.0] for name, _ in KERNEL_KINDS}
+    totals["other"] = [0, 0.0]
+    for name, count, ms in kernels:
+        kind = next((k for k, pattern in KERNEL_KINDS if pattern.search(name)), "other")
+        totals[kind][0] += count
+        totals[kind][1] += ms
+    lines = ["| kind | launches | GPU ms |", "| --- | --- | --- |"]
+    lines += [f"| {kind} | {count:.0f} | {ms:.3f} |" for kind, (count, ms) in totals.items()]
+    launches, busy = sum(c for c, _ in totals.values()), sum(m for _, m in totals.values())
+    return "\n".join([*lines, f"| all | {launches:.0f} | {busy:.3f} |"])
+
+
+def python_profile(step, path: Path, sections: dict[str, str]) -> None:
+    """Write ``sections`` (title: markdown) to ``path``, then a cProfile table of one step's Python
+    functions, by own time and by cumulative time."""
     profiler = cProfile.Profile()
     profiler.enable()
     step()
@@ -125,10 +188,7 @@ def python_profile(step, path: Path, kernels: list[tuple[str, int, float]], call
     stats = pstats.Stats(profiler, stream=text).strip_dirs()
     stats.sort_stats("tottime").print_stats(40)
     stats.sort_stats("cumulative").print_stats(60)
-    path.write_text(
-        f"GPU kernels of one step\n\n{kernel_table(kernels)}\n\n"
-        f"Host time of the Thunder traces' calls\n\n{calls}\n\n{text.getvalue()}"
-    )
+    path.write_text("".join(f"{title}\n\n{body}\n\n" for title, body in sections.items()) + text.getvalue())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -161,7 +221,11 @@ def main(argv: list[str] | None = None) -> int:
             )
             slug = variant.name.replace(" ", "_").replace(".", "").replace("+", "")
             calls = "" if fn is model else trace_call_table(fn, step)
-            python_profile(step, args.out / f"profile_{scenario}_{slug}.txt", kernels, calls)
+            sections = {
+                "GPU kernels of one step": kernel_table(kernels),
+                "Host time of the Thunder traces' calls": calls,
+            }
+            python_profile(step, args.out / f"profile_{scenario}_{slug}.txt", sections)
             del model, fn, step
             forget_variant()
     return 0
