@@ -16,8 +16,11 @@ import argparse
 import collections
 import contextlib
 import cProfile
+import gzip
 import inspect
 import io
+import json
+import math
 import pstats
 import re
 import statistics
@@ -110,34 +113,37 @@ def kernel_times(step) -> list[tuple[str, int, float]]:
     return sorted(found, key=lambda k: -k[2])
 
 
-# CUDA runtime calls after which the host has waited for the GPU.
-BLOCKING_CALLS = re.compile(r"Synchronize|cudaMemcpy(?!Async)|cudaMalloc|cudaFree|cudaHostAlloc")
-
-
 def timeline(step, path: Path) -> dict[str, float]:
     """Profile one step's host and GPU activity into a gzipped Chrome trace at ``path``; return
-    the GPU's idle time between the step's first and last kernel, and the host time spent in
-    CUDA runtime calls that wait for the GPU or for the driver (``BLOCKING_CALLS``)."""
+    the GPU's idle time between the step's first and last kernel, split at the first kernel the
+    backward launches (a launch after autograd's engine first evaluates a node), and how many
+    Thunder and TorchInductor regions the forward calls (their autograd functions)."""
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=activities) as prof:
         step()
         torch.cuda.synchronize()
     prof.export_chrome_trace(str(path))
+    with gzip.open(path, "rt") as f:
+        events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
+    ops = [e for e in events if e.get("cat") == "cpu_op"]
+    backward = min((e["ts"] for e in ops if "evaluate_function" in e["name"]), default=math.inf)
+    launched = {e["args"]["correlation"]: e["ts"] for e in events if e.get("cat") == "cuda_runtime"}
     kernels = sorted(
-        (e.time_range.start, e.time_range.end)
-        for e in prof.events()
-        if e.device_type == torch.autograd.DeviceType.CUDA
+        (e["ts"], e["ts"] + e["dur"], launched.get(e["args"].get("correlation"), 0) >= backward)
+        for e in events
+        if e.get("cat") in ("kernel", "gpu_memset", "gpu_memcpy")
     )
-    first = reach = kernels[0][0] if kernels else 0.0
-    busy = 0.0
-    for start, end in kernels:
-        busy += max(0.0, end - max(start, reach))
+    idle = {False: 0.0, True: 0.0}
+    reach = kernels[0][1] if kernels else 0.0
+    for start, end, in_backward in kernels[1:]:
+        idle[in_backward] += max(0.0, start - reach)
         reach = max(reach, end)
-    blocking = [e for e in prof.events() if BLOCKING_CALLS.search(e.name)]
+    forward_calls = collections.Counter(e["name"] for e in ops if e["ts"] < backward)
     return {
-        "gpu_idle_ms": (reach - first - busy) / 1e3,
-        "blocking_calls": len(blocking),
-        "blocking_ms": sum(e.time_range.elapsed_us() for e in blocking) / 1e3,
+        "gpu_idle_forward_ms": idle[False] / 1e3,
+        "gpu_idle_backward_ms": idle[True] / 1e3,
+        "thunder_regions": forward_calls["ThunderFunction"],
+        "inductor_regions": forward_calls["CompiledFunction"],
     }
 
 
