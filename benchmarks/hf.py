@@ -306,8 +306,7 @@ def run_worker(
     model_name: str, scenario: str, variant: str, *, warmup: int, steps: int, profile: Path | None = None
 ) -> dict[str, Any]:
     """One variant of one model and scenario in this process: figures and gradient cosines; with
-    ``profile``, also the GPU time per kind of kernel, the host time to issue a step, and the
-    step's kernels by GPU time, written there as markdown."""
+    ``profile``, also where a step's time goes (``_profile``), written there."""
     build, fp8 = RUNNABLE[variant]
     warm_up_process()
     model = build_model(model_name, scenario)
@@ -335,8 +334,9 @@ def run_worker(
 
 def _profile(step: Callable[[], None], path: Path, *, title: str) -> dict[str, float]:
     """Write where one step's time goes to ``path`` (kernels by kind and by GPU time, then the
-    hottest Python functions) and its timeline beside it (a gzipped Chrome trace); return its
-    GPU busy, GPU idle and host times."""
+    hottest Python functions) and its timeline beside it (a gzipped Chrome trace); return the
+    figures: GPU busy, the GPU's idle time in forward and backward, the host time to issue a
+    step, the regions a forward calls."""
     from benchmarks.profile_step import (
         host_ms,
         kernel_kinds,
@@ -444,7 +444,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=900, help="seconds one variant may take")
     parser.add_argument("--worker", action="store_true", help="run one variant here, write its row to --out")
     parser.add_argument(
-        "--profile", action="store_true", help="also write each variant's kernel tables (.kernels.md)"
+        "--profile",
+        action="store_true",
+        help="also write where each variant's step time goes (.kernels.md, .kernels.trace.json.gz)",
     )
     args = parser.parse_args(argv)
     if without_te_gpu("the hf suite"):

@@ -34,8 +34,9 @@ def fast_after_te_v2() -> list[Executor]:
     """Thunder's SDPA executor for attention, then Thunder's torch.compile executor for the rest.
 
     Not cuDNN's attention executor, which Thunder lists first among its defaults: Thunder 0.2.6's
-    raises while checking an attention with the cuDNN frontend of 2026 (``'pygraph' object has no
-    attribute 'scaled_dot_product_flash_attention'``), failing the compilation."""
+    raises while checking an attention with the cuDNN frontend of the GPU machine's torch 2.11
+    image (``'pygraph' object has no attribute 'scaled_dot_product_flash_attention'``), failing
+    the compilation."""
     from thunder.executors.sdpaex import sdpa_ex
     from thunder.executors.torch_compile import torch_compile_ex
 
