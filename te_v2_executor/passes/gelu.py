@@ -94,9 +94,17 @@ def _gelu_backward_ops(grad: TensorProxy, a: TensorProxy) -> TensorProxy:
 
 def gelu_as_torch_ops(bsym: BoundSymbol, trace: TraceCtx) -> list[BoundSymbol]:
     """A ``te_v2_gelu`` or ``te_v2_gelu_backward`` bound symbol as Thunder torch-level ops with the
-    same output proxy, for a fusion executor to fuse with its neighbours."""
+    same output proxy and the same tags, for a fusion executor to fuse with its neighbours.
+
+    The tags say where the ops belong: Thunder's dataflow fusion (thunderfx's) keeps what is
+    tagged backward out of the forward's regions, and untagged ops of a GELU's backward were
+    fused into a forward region, which then read a gradient the forward does not have (an
+    UnboundLocalError) or computed part of the backward in the forward and saved it."""
     scratch = from_trace(trace)
     with tracectx(scratch):
         out = ltorch.gelu(*bsym.args) if bsym.sym is GELU else _gelu_backward_ops(*bsym.args)
     swap = {variableify(out): bsym.output}
-    return [b.from_bsym_swap_proxies(swap) for b in scratch.bound_symbols]
+    ops = [b.from_bsym_swap_proxies(swap) for b in scratch.bound_symbols]
+    for op in ops:
+        op.tags |= bsym.tags
+    return ops
