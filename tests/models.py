@@ -196,6 +196,21 @@ class WriteAfterAdapter(nn.Module):
         return a + self.base(x), h
 
 
+class WrittenGemmOutputTimesAWeight(nn.Module):
+    """A linear's output scaled in place, then multiplied by a trained vector, whose gradient
+    reads the scaled output: fuzz seed 2027 program 9, shrunk."""
+
+    def __init__(self, dim: int = 64, width: int = 32, **kw) -> None:
+        super().__init__()
+        self.lin = nn.Linear(dim, width, bias=False, **kw)
+        self.w = nn.Parameter(torch.randn(width, **kw))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        v = self.lin(x)
+        v.mul_(-1.0)
+        return v * self.w
+
+
 class WriteIntoInputBeforeAdapter(nn.Module):
     """PEFT's LoRA forward with the input scaled in place between the base and the adapter."""
 

@@ -24,6 +24,7 @@ from te_v2_executor.passes import (
     consumption,
     gelu,
     recasts,
+    recompute_guard,
     scales,
     shared_inputs,
     stale_reads,
@@ -173,7 +174,14 @@ PIPELINE: tuple[Pass, ...] = (
         "write_order",
         lambda trace, context: write_order.order_writes(trace),
         "each in-place write waits for every earlier reader of its storage it does not already depend on",
-        "last: after every pass that adds or moves a te_v2 read",
+        "after every pass that adds or moves a te_v2 read",
+        "writes into existing storage are explicit, as Writes reads them",
+    ),
+    Pass(
+        "recompute_guard",
+        lambda trace, context: recompute_guard.guard_recomputation(trace),
+        "no forward read of a storage written later, and no forward write, is recomputed in the backward",
+        "last: it judges the reads of the final trace, which the fusers rematerialize next",
         "writes into existing storage are explicit, as Writes reads them",
     ),
 )

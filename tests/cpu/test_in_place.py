@@ -16,7 +16,13 @@ from torch import nn
 from te_v2_executor import ClaimPolicy, TEv2FallbackWarning, explain, make_te_v2
 from te_v2_executor.symbols import UNQUANTIZED_FWD, arg
 from tests.helpers import CLAIM_ALL, assert_like_eager, bsyms_of, forward_trace
-from tests.models import SavedThenWritten, SumBesideAWrite, WriteAfterAdapter, WriteIntoInputBeforeAdapter
+from tests.models import (
+    SavedThenWritten,
+    SumBesideAWrite,
+    WriteAfterAdapter,
+    WriteIntoInputBeforeAdapter,
+    WrittenGemmOutputTimesAWeight,
+)
 
 # The default policy runs these 64- and 16-feature linears unquantized, in float32: te_v2 must
 # compute what eager computes, up to the summation order of a GEMM that accumulates.
@@ -45,6 +51,17 @@ def test_a_write_waits_for_every_earlier_reader_not_only_te_v2s():
     (found by ``python -m tests.fuzz --fuser torch.compile --seed 12``, program 39)."""
     executors = [make_te_v2(backend="reference", claim=ClaimPolicy(min_features=32)), torch_compile_ex]
     assert_like_eager(SumBesideAWrite(), torch.randn(64, 32), executors, grad=False, jit=thunderfx, **TOLS)
+
+
+@pytest.mark.parametrize("jit", [thunder.jit, thunderfx], ids=["jit", "thunderfx"])
+def test_no_fuser_recomputes_a_read_of_a_te_v2_output_written_in_place(jit):
+    """The fused region wrote into the linear's output, its input; the fuser's rematerialization
+    saved that input and recomputed ``v * -1`` from it in the backward, from the written values:
+    ``w``'s gradient came out negated."""
+    executors = [make_te_v2(backend="reference"), torch_compile_ex]
+    assert_like_eager(
+        WrittenGemmOutputTimesAWeight(), torch.randn(16, 64), executors, grad=True, jit=jit, **TOLS
+    )
 
 
 def test_the_fold_away_from_the_write_is_still_made():
@@ -98,3 +115,4 @@ def test_an_input_written_in_place_and_returned_carries_the_forward_flush():
     (row,) = explain(jitted).linears
     assert row.recipe == "delayed"
     assert not torch.equal(row.state.scaling(forward=True).scale, torch.ones(2))  # flushed once
+
