@@ -82,6 +82,14 @@ def _tensors(values: Iterable[Any]) -> list[TensorProxy]:
     return [v for v in values if isinstance(v, TensorProxy)]
 
 
+def _in_place_name(name: str) -> bool:
+    """Whether ``name`` is PyTorch's spelling of an in-place op: ``mul_``, ``__imul__``; not a
+    dunder such as ``__getitem__``, which Thunder traces for indexing."""
+    if name.startswith("__") and name.endswith("__"):
+        return name.startswith("__i")
+    return name.endswith("_")
+
+
 def written_tensor(bsym: BoundSymbol) -> TensorProxy | None:
     """The existing tensor ``bsym`` writes into, or None: ``copy_``'s destination, an in-place op's
     first tensor argument, a te_v2 GEMM's ``accumulate_into``."""
@@ -94,7 +102,7 @@ def written_tensor(bsym: BoundSymbol) -> TensorProxy | None:
     if bsym.subsymbols and bsym.subsymbols[-1].sym.name == "copy_":
         return bsym.subsymbols[-1].args[1]
     tags = bsym.sym.tags or ()
-    if prims.OpTags.IN_PLACE in tags or bsym.sym.name.endswith("_"):
+    if prims.OpTags.IN_PLACE in tags or _in_place_name(bsym.sym.name):
         args = _tensors(bsym.flat_args)
         return args[0] if args else None
     return None

@@ -116,3 +116,23 @@ def test_an_input_written_in_place_and_returned_carries_the_forward_flush():
     assert row.recipe == "delayed"
     assert not torch.equal(row.state.scaling(forward=True).scale, torch.ones(2))  # flushed once
 
+
+@pytest.mark.parametrize(
+    ("name", "writes"),
+    [("__getitem__", False), ("__matmul__", False), ("mul_", True), ("__imul__", True)],
+)
+def test_a_dunder_method_writes_only_when_it_is_an_in_place_one(name, writes):
+    """thunderfx's traces call ``Tensor.__getitem__`` for indexing; read as an in-place op (its name
+    ends in an underscore), every index marked its tensor written, and ``recompute_guard`` kept the
+    indexed reads of a Hugging Face Llama out of the fusers' recomputation."""
+    from thunder.core.proxies import TensorProxy
+    from thunder.core.symbol import Symbol
+    from thunder.core.trace import TraceCtx, tracectx
+
+    from te_v2_executor.passes._writes import written_tensor
+
+    with tracectx(TraceCtx()):
+        t = TensorProxy(shape=(4,), device=thunder.devices.cpu, dtype=thunder.dtypes.float32)
+        out = TensorProxy(like=t)
+    bsym = Symbol(name=name, meta=None).bind(t, 0, output=out)
+    assert (written_tensor(bsym) is t) is writes
