@@ -113,6 +113,18 @@ def _te_v2_without(pass_name: str) -> Callable[[], list]:
     return listing
 
 
+def _te_v2_attention(where: str) -> list:
+    """The default list with attention elsewhere: "sdpa" on Thunder's SDPA executor rather than
+    te_v2's, "inductor" where thunderfx's splitter sends it while Thunder's defaults hold a cuDNN
+    attention executor that cannot run (``executors()`` removes it; this list leaves it)."""
+    from thunder.executors.sdpaex import sdpa_ex
+    from thunder.executors.torch_compile import torch_compile_ex
+
+    from te_v2_executor import executors, te_v2
+
+    return [te_v2, sdpa_ex, torch_compile_ex] if where == "inductor" else [te_v2, *executors()[2:]]
+
+
 def _te_v2_thunder_defaults() -> list:
     import thunder
 
@@ -200,6 +212,8 @@ ABLATIONS = {
     # Failed on the 8B model inside Thunder's CUDAGraphTransform (docs/usage.md, troubleshooting).
     "thunderfx + te_v2 + CUDA graphs": (_thunderfx(_te_v2_default, _cuda_graphs), True),
     "thunderfx + te_v2, Thunder's default executors": (_thunderfx(_te_v2_thunder_defaults), True),
+    "thunderfx + te_v2, Thunder's SDPA attention": (_thunderfx(lambda: _te_v2_attention("sdpa")), True),
+    "thunderfx + te_v2, attention in TorchInductor": (_thunderfx(lambda: _te_v2_attention("inductor")), True),
     "thunderfx BF16, nvFuser": (_thunderfx(_nvfuser_after(False)), False),
     "thunderfx + te_v2, nvFuser": (_thunderfx(_nvfuser_after(True)), True),
     **{f"thunderfx + te_v2 without {name}": (_thunderfx(_te_v2_without(name)), True) for name in OPTIONAL},

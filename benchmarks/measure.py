@@ -15,6 +15,8 @@ import torch
 from te_v2_executor import backends
 
 GEMM_KERNEL = re.compile(r"gemm|nvjet|xmma|cutlass", re.IGNORECASE)
+# Fused attention kernels, some of them CUTLASS ones (PyTorch's memory-efficient "fmha_cutlass").
+ATTENTION_KERNEL = re.compile(r"flash|fmha|attention|sdpa", re.IGNORECASE)
 
 
 def without_te_gpu(what: str) -> bool:
@@ -127,8 +129,9 @@ def kernel_names(step: Callable[[], None]) -> list[str]:
 
 
 def gemm_count(names: list[str]) -> int:
-    """How many of the kernels ``names`` are GEMMs (cuBLAS, cuBLASLt's nvjet, CUTLASS)."""
-    return sum(bool(GEMM_KERNEL.search(n)) for n in names)
+    """How many of the kernels ``names`` are GEMMs (cuBLAS, cuBLASLt's nvjet, CUTLASS), fused
+    attention kernels not counted."""
+    return sum(bool(GEMM_KERNEL.search(n)) and not ATTENTION_KERNEL.search(n) for n in names)
 
 
 def measure(

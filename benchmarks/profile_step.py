@@ -34,7 +34,14 @@ import thunder
 import torch
 
 from benchmarks import shapes
-from benchmarks.measure import GEMM_KERNEL, forget_variant, make_step, step_times_ms, without_te_gpu
+from benchmarks.measure import (
+    ATTENTION_KERNEL,
+    GEMM_KERNEL,
+    forget_variant,
+    make_step,
+    step_times_ms,
+    without_te_gpu,
+)
 from benchmarks.variants import build, reference_model, variants
 from te_v2_executor import TEv2FallbackWarning
 
@@ -155,8 +162,8 @@ def kernel_table(kernels: list[tuple[str, int, float]]) -> str:
 
 # The kinds of kernel a training step runs, tried in order on each kernel's name.
 KERNEL_KINDS = (
+    ("attention", ATTENTION_KERNEL),
     ("GEMM", GEMM_KERNEL),
-    ("attention", re.compile(r"flash|fmha|attention", re.IGNORECASE)),
     ("Triton (Inductor, te_v2's folds)", re.compile(r"^triton", re.IGNORECASE)),
     (
         "TE casts and amax updates",

@@ -23,7 +23,7 @@ from te_v2_executor import passes, report
 from te_v2_executor.backends import Backend
 from te_v2_executor.checks import Decision
 from te_v2_executor.config import ClaimPolicy, TEv2Config
-from te_v2_executor.fusers import after, fast_after_te_v2, missing_fuser
+from te_v2_executor.fusers import after, broken_default_attention, fast_after_te_v2, missing_fuser
 from te_v2_executor.lowering import LinearLowering
 from te_v2_executor.recipes import RecipeSpec
 from te_v2_executor.state import registry_for
@@ -143,7 +143,13 @@ def make_te_v2(
 
 def executors(te_v2_executor: TEv2Executor | None = None) -> list[Executor]:
     """The executor list te_v2 runs fastest in: ``te_v2_executor`` (``te_v2`` when None), then
-    Thunder's SDPA executor for attention and Thunder's torch.compile executor for the ops
-    between te_v2's GEMMs (``fusers.fast_after_te_v2``; docs/performance.md, "Real models").
-    Pass it as ``executors=`` to ``thunder.jit`` or ``thunderfx``."""
+    cuDNN's attention kernels (``attention.py``; Thunder's SDPA executor for what they do not
+    run) and Thunder's torch.compile executor for the ops between te_v2's GEMMs (``fusers.fast_after_te_v2``; docs/performance.md, "Real models").
+    Pass it as ``executors=`` to ``thunder.jit`` or ``thunderfx``.
+
+    Where Thunder's cuDNN attention executor cannot run, it also removes it from Thunder's default
+    executors, with a one-time warning saying why (``fusers.broken_default_attention``): thunderfx
+    checks each node with the defaults, and would send every attention out of Thunder."""
+    if message := broken_default_attention():
+        _warn_once(message, TEv2PerformanceWarning)
     return [te_v2_executor or te_v2, *fast_after_te_v2()]

@@ -94,3 +94,8 @@ def jit_te_v2(model: torch.nn.Module, *fusers) -> Callable:
 def te_v2_states(jitted: Callable) -> list:
     """(forward, backward) scaling states of each linear, in forward order."""
     return [(r.state.scaling(forward=True), r.state.scaling(forward=False)) for r in explain(jitted).linears]
+
+
+def executors_run(traces: list) -> set[str]:
+    """The names of the executors whose own symbols ``traces`` call."""
+    return {b.sym.executor.name for t in traces for b in t.bound_symbols if getattr(b.sym, "executor", None)}

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from benchmarks.hf import grad_cosines
-from tests.gpu.common import requires_te_gpu
+from tests.gpu.common import executors_run, requires_te_gpu
 
 pytestmark = requires_te_gpu
 pytest.importorskip("transformers", reason="needs transformers (the [bench] extra)")
@@ -37,29 +37,29 @@ def _grads(fn, model: torch.nn.Module, ids: torch.Tensor) -> dict[str, torch.Ten
     return family_grads(model)
 
 
-def _executors_run(traces) -> set[str]:
-    """The names of the executors whose own symbols ``traces`` call."""
-    return {b.sym.executor.name for t in traces for b in t.bound_symbols if getattr(b.sym, "executor", None)}
-
-
-def test_attention_runs_on_an_attention_kernel_not_as_matrix_products():
-    """Thunder decomposes an SDPA no listed executor claims into two matmuls and a softmax (the
-    full sequence-by-sequence matrix, forward and backward); ``executors()`` lists Thunder's SDPA
-    executor ahead of the fuser, so that it runs PyTorch's fused attention instead."""
+def test_thunderfx_keeps_a_llamas_attention_in_thunder():
+    """thunderfx's splitter checks each node with Thunder's default executors; where their cuDNN
+    attention executor cannot run it raised there, and every attention went to TorchInductor, a
+    Thunder-Inductor crossing per layer. ``executors()`` removes that executor from the defaults
+    (``fusers.broken_default_attention``), so the attention runs inside Thunder, on cuDNN's
+    kernels through te_v2's attention executor."""
     import thunder
-    import torch.nn.functional as F
+    from thunder.dynamo import thunderfx
 
+    from benchmarks.hf import llama, loss_of
     from te_v2_executor import executors
+    from tests.gpu.common import te_v2_claiming_all
 
-    q, k, v = (
-        torch.randn(2, 4, 256, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3)
-    )
-    jitted = thunder.jit(
-        lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True), executors=executors()
-    )
-    jitted(q, k, v).sum().backward()
-    traces = [thunder.last_traces(jitted)[-1], thunder.last_backward_traces(jitted)[-1]]
-    assert "sdpa" in _executors_run(traces), [str(t) for t in traces]
+    model = llama(SMALL, "full")
+    ids = torch.randint(0, 512, (2, 128), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    compiled = thunderfx(model, executors=executors(te_v2_claiming_all()))
+    loss_of(compiled)(ids).backward()
+    infos = compiled._backend.subgraph_infos
+    reasons = [str(r) for info in infos for r in info.split_reasons]
+    assert not any("scaled_dot_product_attention" in r for r in reasons), reasons
+    fns = [fn for info in infos for fn in info.thunder_compiled_fns]
+    ran = set().union(*(executors_run(thunder.last_traces(fn)[-1:]) for fn in fns))
+    assert "te_v2_cudnn_attention" in ran, (ran, reasons)
 
 
 @pytest.mark.parametrize("compiled_first", [False, True], ids=["fresh", "after-torch.compile"])

@@ -1,0 +1,217 @@
+"""Scaled-dot-product attention on cuDNN's fused kernels, forward and backward, for Thunder.
+
+Hugging Face models traced by Dynamo (thunderfx, torch.compile) always pass an explicit causal
+mask: their switch to ``is_causal=True`` is off while tracing. Thunder 0.2.6's SDPA executor runs
+a masked attention on PyTorch's memory-efficient kernel, expands the mask to every head, and its
+backward computes a gradient of that mask (one batch x heads x sequence x sequence tensor a
+layer), which nobody reads: on the Llama-3-8B-dims bench that attention took about 2.6 times the
+GPU time of cuDNN's, and raised the peak. PyTorch itself (eager and torch.compile) runs such an
+attention on cuDNN's kernels on Hopper; this executor does the same inside Thunder, through
+PyTorch's ``_scaled_dot_product_cudnn_attention`` and its backward, with no gradient for the mask.
+
+It claims only what those kernels run as PyTorch's dispatcher would (``_checker``); anything else
+stays with the executors listed after it (Thunder's SDPA executor, then Thunder's decomposition).
+"""
+
+from __future__ import annotations
+
+import math
+from numbers import Number
+from typing import Any
+
+import thunder.torch as ltorch
+import torch
+from thunder.core import dtypes
+from thunder.core.proxies import TensorProxy, pyval
+from thunder.core.transforms import get_grad, put_grads
+from thunder.extend import OperatorExecutor, register_executor
+
+attention_ex = OperatorExecutor("te_v2_cudnn_attention", version="0.1")
+register_executor(attention_ex)
+
+_DTYPES = (dtypes.bfloat16, dtypes.float16)
+_MAX_HEAD_DIM = 128
+
+
+def _unit_last_stride(t: torch.Tensor) -> torch.Tensor:
+    """``t``, copied only where its last dim is not contiguous, which cuDNN's kernels need."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _bias(attn_mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """``attn_mask`` as cuDNN's additive bias: a boolean mask becomes 0 where True and -inf where
+    False (as ``F.scaled_dot_product_attention`` reads it), with a leading dim per missing one."""
+    if attn_mask is None:
+        return None
+    if attn_mask.dtype == torch.bool:
+        attn_mask = torch.zeros(attn_mask.shape, dtype=dtype, device=attn_mask.device).masked_fill_(
+            attn_mask.logical_not(), -math.inf
+        )
+    return attn_mask.view((1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape))
+
+
+def _forward_meta(
+    query: TensorProxy,
+    key: TensorProxy,
+    value: TensorProxy,
+    attn_mask: TensorProxy | None,
+    is_causal: bool,
+    scale: float | None,
+) -> tuple[TensorProxy, TensorProxy, TensorProxy, TensorProxy]:
+    b, h, s_q, _ = query.shape
+    stats = dict(device=query.device, requires_grad=False)
+    return (
+        TensorProxy(like=query, shape=(b, h, s_q, value.shape[-1])),
+        TensorProxy(shape=(b, h, s_q, 1), dtype=dtypes.float32, **stats),  # logsumexp
+        TensorProxy(shape=(), dtype=dtypes.int64, **stats),  # philox seed
+        TensorProxy(shape=(), dtype=dtypes.int64, **stats),  # philox offset
+    )
+
+
+def _forward_impl(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    is_causal: bool,
+    scale: float | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    query, key, value = map(_unit_last_stride, (query, key, value))
+    out, logsumexp, *_, seed, offset, _ = torch.ops.aten._scaled_dot_product_cudnn_attention(
+        query, key, value, _bias(attn_mask, query.dtype), True, 0.0, is_causal, False, scale=scale
+    )
+    return out, logsumexp, seed, offset
+
+
+FORWARD = attention_ex.register_operator("te_v2_cudnn_attention_fwd", meta=_forward_meta, fn=_forward_impl)
+
+
+def _backward_meta(
+    grad: TensorProxy,
+    query: TensorProxy,
+    key: TensorProxy,
+    value: TensorProxy,
+    attn_mask: TensorProxy | None,
+    out: TensorProxy,
+    logsumexp: TensorProxy,
+    seed: TensorProxy,
+    offset: TensorProxy,
+    is_causal: bool,
+    scale: float | None,
+) -> tuple[TensorProxy, TensorProxy, TensorProxy]:
+    return TensorProxy(like=query), TensorProxy(like=key), TensorProxy(like=value)
+
+
+def _backward_impl(
+    grad: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    out: torch.Tensor,
+    logsumexp: torch.Tensor,
+    seed: torch.Tensor,
+    offset: torch.Tensor,
+    is_causal: bool,
+    scale: float | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    query, key, value = map(_unit_last_stride, (query, key, value))
+    return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+        grad,
+        query,
+        key,
+        value,
+        out,
+        logsumexp,
+        seed,
+        offset,
+        _bias(attn_mask, query.dtype),
+        None,
+        None,
+        query.shape[2],
+        key.shape[2],
+        0.0,
+        is_causal,
+        scale=scale,
+    )
+
+
+BACKWARD = attention_ex.register_operator("te_v2_cudnn_attention_bwd", meta=_backward_meta, fn=_backward_impl)
+
+
+def _hopper(device: Any) -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability(device.index) >= (9, 0)
+
+
+def _checker(
+    query: Any,
+    key: Any,
+    value: Any,
+    attn_mask: Any = None,
+    dropout_p: Any = 0.0,
+    is_causal: Any = False,
+    *,
+    scale: Any = None,
+) -> bool:
+    """Whether cuDNN's kernels run this attention as PyTorch's would: on a Hopper GPU, 16-bit
+    4-D query, key and value of one dtype, batch and heads, head dim a multiple of 8 up to 128,
+    no dropout (its random state stays Thunder's), a causal flag only on square attention, and a
+    mask (boolean, or an additive one of the inputs' dtype) that needs no gradient, of the
+    attention's full sequence-by-sequence shape, broadcast at most over batch and heads."""
+    qkv = (query, key, value)
+    if not all(isinstance(t, TensorProxy) and t.ndim == 4 and t.dtype == query.dtype for t in qkv):
+        return False
+    if query.dtype not in _DTYPES or query.device.type != "cuda" or not _hopper(query.device):
+        return False
+    if any(t.device != query.device for t in qkv) or not torch.backends.cuda.cudnn_sdp_enabled():
+        return False
+    (b, h, s_q, d), (_, _, s_kv, d_v) = query.shape, value.shape
+    if key.shape != (b, h, s_kv, d) or value.shape[:3] != (b, h, s_kv):
+        return False
+    if not all(x % 8 == 0 and 0 < x <= _MAX_HEAD_DIM for x in (d, d_v)) or min(s_q, s_kv) == 0:
+        return False
+    dropout_p, is_causal = pyval(dropout_p), pyval(is_causal)
+    if not isinstance(dropout_p, Number) or dropout_p != 0 or not isinstance(is_causal, bool):
+        return False
+    if is_causal and (attn_mask is not None or s_q != s_kv):
+        return False
+    if attn_mask is None:
+        return True
+    if not isinstance(attn_mask, TensorProxy) or not 2 <= attn_mask.ndim <= 4:
+        return False
+    leading = (1,) * (4 - attn_mask.ndim) + tuple(attn_mask.shape[:-2])
+    return (
+        attn_mask.dtype in (dtypes.bool8, query.dtype)
+        and not attn_mask.requires_grad
+        and attn_mask.device == query.device
+        and tuple(attn_mask.shape[-2:]) == (s_q, s_kv)
+        and leading[0] in (1, b)
+        and leading[1] in (1, h)
+    )
+
+
+def _execution_transform(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None):
+    out, *_ = FORWARD(query, key, value, attn_mask, pyval(is_causal), _scale(scale))
+    return out
+
+
+def _grad_transform(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None):
+    is_causal, scale = pyval(is_causal), _scale(scale)
+    out, logsumexp, seed, offset = FORWARD(query, key, value, attn_mask, is_causal, scale)
+    grads = BACKWARD(
+        get_grad(out), query, key, value, attn_mask, out, logsumexp, seed, offset, is_causal, scale
+    )
+    put_grads((query, key, value), grads)
+    return out
+
+
+def _scale(scale: Any) -> float | None:
+    return None if scale is None else float(pyval(scale))
+
+
+attention_ex.register_implementation(
+    ltorch.scaled_dot_product_attention,
+    checker=_checker,
+    execution_transform=_execution_transform,
+    grad_transform=_grad_transform,
+)

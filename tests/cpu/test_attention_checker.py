@@ -1,0 +1,78 @@
+"""Which attentions te_v2's cuDNN attention executor claims: those cuDNN's kernels run as
+PyTorch's dispatcher would, and no other (the rest stay with Thunder's SDPA executor). The
+kernels themselves run in tests/gpu/test_attention.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from thunder.core import devices, dtypes
+from thunder.core.proxies import TensorProxy
+from thunder.core.trace import TraceCtx, tracectx
+
+from te_v2_executor import attention
+
+B, H, S, D = 2, 4, 64, 64
+
+
+@pytest.fixture(autouse=True)
+def hopper(monkeypatch):
+    monkeypatch.setattr(attention, "_hopper", lambda device: True)
+    monkeypatch.setattr(torch.backends.cuda, "cudnn_sdp_enabled", lambda: True)
+    with tracectx(TraceCtx()):
+        yield
+
+
+def proxy(*shape, dtype=dtypes.bfloat16, device="cuda:0", requires_grad=False) -> TensorProxy:
+    return TensorProxy(
+        shape=shape, dtype=dtype, device=devices.to_device(device), requires_grad=requires_grad
+    )
+
+
+def qkv(**kw) -> tuple[TensorProxy, TensorProxy, TensorProxy]:
+    return proxy(B, H, S, D, **kw), proxy(B, H, S, D, **kw), proxy(B, H, S, D, **kw)
+
+
+@pytest.mark.parametrize(
+    "mask, kwargs",
+    [
+        (None, {}),
+        (None, dict(is_causal=True)),
+        (lambda: proxy(B, 1, S, S, dtype=dtypes.bool8), {}),  # Hugging Face's causal mask
+        (lambda: proxy(S, S, dtype=dtypes.bool8), {}),
+        (lambda: proxy(1, H, S, S), {}),  # additive, the inputs' dtype
+        (None, dict(scale=0.5)),
+    ],
+    ids=["none", "causal", "hf-mask", "2d-mask", "additive", "scale"],
+)
+def test_claims_what_cudnn_runs(mask, kwargs):
+    assert attention._checker(*qkv(), mask() if mask else None, **kwargs)
+
+
+def test_refuses_what_cudnn_does_not_run_as_pytorch_would():
+    q, k, v = qkv()
+    refused = {
+        "float32": (*qkv(dtype=dtypes.float32), None),
+        "cpu": (*qkv(device="cpu"), None),
+        "grouped-query heads": (q, proxy(B, 1, S, D), proxy(B, 1, S, D), None),
+        "head dim 100": (proxy(B, H, S, 100), proxy(B, H, S, 100), proxy(B, H, S, 100), None),
+        "head dim 256": (proxy(B, H, S, 256), proxy(B, H, S, 256), proxy(B, H, S, 256), None),
+        "mask needing a gradient": (q, k, v, proxy(B, 1, S, S, requires_grad=True)),
+        "float32 mask": (q, k, v, proxy(B, 1, S, S, dtype=dtypes.float32)),
+        "padding mask broadcast over queries": (q, k, v, proxy(B, 1, 1, S, dtype=dtypes.bool8)),
+        "3-d inputs": (proxy(H, S, D), proxy(H, S, D), proxy(H, S, D), None),
+    }
+    for name, args in refused.items():
+        assert not attention._checker(*args), name
+    assert not attention._checker(q, k, v, None, 0.1), "dropout"
+    assert not attention._checker(q, proxy(B, H, 2 * S, D), proxy(B, H, 2 * S, D), None, 0.0, True), (
+        "causal, not square"
+    )
+    assert not attention._checker(q, k, v, proxy(B, 1, S, S, dtype=dtypes.bool8), 0.0, True), (
+        "mask and causal"
+    )
+
+
+def test_refuses_everything_off_hopper(monkeypatch):
+    monkeypatch.setattr(attention, "_hopper", lambda device: False)
+    assert not attention._checker(*qkv(), None)

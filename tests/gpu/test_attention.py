@@ -1,0 +1,108 @@
+"""te_v2's cuDNN attention executor against PyTorch: the outputs and input gradients of
+``F.scaled_dot_product_attention`` as PyTorch's own dispatcher computes them (cuDNN's kernels on
+Hopper) and within its error of a float32 reference; cuDNN's kernels run, not the
+memory-efficient ones or two matrix products and a softmax; no gradient for the mask."""
+
+from __future__ import annotations
+
+import pytest
+import thunder
+import torch
+import torch.nn.functional as F
+
+from benchmarks.measure import kernel_names
+from te_v2_executor import executors
+from tests.gpu.common import executors_run, requires_te_gpu
+
+pytestmark = requires_te_gpu
+
+B, H, S, D = 2, 8, 512, 128
+
+
+def _causal(b: int, s: int = S) -> torch.Tensor:
+    """Hugging Face's mask under tracing: boolean, batch x 1 x queries x keys."""
+    return torch.ones(s, s, dtype=torch.bool, device="cuda").tril().expand(b, 1, s, s)
+
+
+CASES = {
+    "causal": (lambda: None, dict(is_causal=True)),
+    "hf-mask": (lambda: _causal(B), {}),
+    "2d-mask": (lambda: _causal(1)[0, 0], dict(scale=0.05)),
+    "additive-mask": (
+        lambda: torch.randn(1, H, S, S, device="cuda", dtype=torch.bfloat16),
+        {},
+    ),
+    "no-mask": (lambda: None, {}),
+}
+
+
+def _inputs(s: int = S) -> list[torch.Tensor]:
+    g = torch.Generator("cuda").manual_seed(0)
+    return [
+        torch.randn(B, H, s, D, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+        for _ in range(3)
+    ]
+
+
+def _run(fn, inputs: list[torch.Tensor], mask, kwargs, grad: torch.Tensor) -> list[torch.Tensor]:
+    for t in inputs:
+        t.grad = None
+    out = fn(*inputs, mask, **kwargs)
+    out.backward(grad)
+    return [out.detach(), *(t.grad for t in inputs)]
+
+
+def _sdpa(q, k, v, mask, **kwargs):
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **kwargs)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_outputs_and_grads_match_pytorchs_attention(case):
+    make_mask, kwargs = CASES[case]
+    mask = make_mask()
+    inputs = _inputs()
+    grad = torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16)
+    jitted = thunder.jit(_sdpa, executors=executors())
+    ours = _run(jitted, inputs, mask, kwargs, grad)
+    traces = [thunder.last_traces(jitted)[-1], thunder.last_backward_traces(jitted)[-1]]
+    assert "te_v2_cudnn_attention" in executors_run(traces), [str(t) for t in traces]
+
+    eager = _run(_sdpa, inputs, mask, kwargs, grad)
+    wide = [t.detach().double().requires_grad_() for t in inputs]
+    wide_mask = mask.double() if mask is not None and mask.is_floating_point() else mask
+    exact = _run(_sdpa, wide, wide_mask, kwargs, grad.double())
+    for name, o, e, x in zip(("out", "dq", "dk", "dv"), ours, eager, exact, strict=True):
+        err_ours = (o.double() - x).abs().max().item()
+        err_eager = (e.double() - x).abs().max().item()
+        print(f"[{case}] {name}: max error ours {err_ours:.2e}, PyTorch eager {err_eager:.2e}")
+        assert err_ours <= 2 * err_eager + 1e-3, (name, err_ours, err_eager)
+        torch.testing.assert_close(o, e, rtol=2e-2, atol=2e-2)
+
+
+def test_cudnns_kernels_run_and_no_mask_is_expanded_to_every_head():
+    """Thunder's SDPA executor runs a masked attention on the memory-efficient kernel, expanding
+    the mask to every head, and its backward computes a gradient of that expanded mask
+    (docs/performance.md): each a batch x heads x sequence x sequence tensor, which the step's
+    peak here stays below."""
+    s = 2048
+    inputs, mask = _inputs(s), _causal(B, s)
+    grad = torch.randn(B, H, s, D, device="cuda", dtype=torch.bfloat16)
+    jitted = thunder.jit(_sdpa, executors=executors())
+    for _ in range(2):
+        _run(jitted, inputs, mask, {}, grad)
+    torch.cuda.synchronize()
+    names = kernel_names(lambda: _run(jitted, inputs, mask, {}, grad))
+    cudnn = [n for n in names if "cudnn" in n.lower() and "sdpa" in n.lower()]
+    assert len(cudnn) == 2, names  # one forward, one backward
+    assert not [n for n in names if "fmha" in n.lower() or "gemm" in n.lower()], names
+    for t in inputs:
+        t.grad = None
+    baseline = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    _run(jitted, inputs, mask, {}, grad)
+    peak = torch.cuda.max_memory_allocated() - baseline
+    expanded_mask = B * H * s * s * 2
+    print(
+        f"\npeak above inputs {peak / 2**20:.0f} MiB; a mask expanded to every head {expanded_mask / 2**20:.0f} MiB"
+    )
+    assert peak < expanded_mask
