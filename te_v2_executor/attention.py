@@ -143,6 +143,28 @@ def _hopper(device: Any) -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability(device.index) >= (9, 0)
 
 
+def _pytorch_runs_cudnn(
+    query: TensorProxy, key: TensorProxy, value: TensorProxy, attn_mask: Any, is_causal: bool
+) -> bool:
+    """Whether PyTorch's own check of cuDNN attention (``can_use_cudnn_attention``: shapes,
+    layouts, cuDNN version, deterministic mode, what its backward needs) passes for tensors of
+    these shapes, laid out contiguously, on this GPU."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.backends.cuda import SDPAParams, can_use_cudnn_attention
+
+    with FakeTensorMode():
+        fake = [
+            None
+            if t is None
+            else torch.empty(t.shape, dtype=dtypes.to_torch_dtype(t.dtype), device=t.device.device_str())
+            for t in (query, key, value, attn_mask)
+        ]
+    for t, proxy in zip(fake, (query, key, value, attn_mask), strict=True):
+        if t is not None:
+            t.requires_grad_(proxy.requires_grad)
+    return can_use_cudnn_attention(SDPAParams(*fake, 0.0, is_causal, False), False)
+
+
 def _checker(
     query: Any,
     key: Any,
@@ -157,7 +179,8 @@ def _checker(
     4-D query, key and value of one dtype, batch and heads, head dim a multiple of 8 up to 128,
     no dropout (its random state stays Thunder's), a causal flag only on square attention, and a
     mask (boolean, or an additive one of the inputs' dtype) that needs no gradient, of the
-    attention's full sequence-by-sequence shape, broadcast at most over batch and heads."""
+    attention's full sequence-by-sequence shape, broadcast at most over batch and heads; and
+    PyTorch's own check of cuDNN attention passes for them."""
     qkv = (query, key, value)
     if not all(isinstance(t, TensorProxy) and t.ndim == 4 and t.dtype == query.dtype for t in qkv):
         return False
@@ -175,19 +198,20 @@ def _checker(
         return False
     if is_causal and (attn_mask is not None or s_q != s_kv):
         return False
-    if attn_mask is None:
-        return True
-    if not isinstance(attn_mask, TensorProxy) or not 2 <= attn_mask.ndim <= 4:
-        return False
-    leading = (1,) * (4 - attn_mask.ndim) + tuple(attn_mask.shape[:-2])
-    return (
-        attn_mask.dtype in (dtypes.bool8, query.dtype)
-        and not attn_mask.requires_grad
-        and attn_mask.device == query.device
-        and tuple(attn_mask.shape[-2:]) == (s_q, s_kv)
-        and leading[0] in (1, b)
-        and leading[1] in (1, h)
-    )
+    if attn_mask is not None:
+        if not isinstance(attn_mask, TensorProxy) or not 2 <= attn_mask.ndim <= 4:
+            return False
+        leading = (1,) * (4 - attn_mask.ndim) + tuple(attn_mask.shape[:-2])
+        if not (
+            attn_mask.dtype in (dtypes.bool8, query.dtype)
+            and not attn_mask.requires_grad
+            and attn_mask.device == query.device
+            and tuple(attn_mask.shape[-2:]) == (s_q, s_kv)
+            and leading[0] in (1, b)
+            and leading[1] in (1, h)
+        ):
+            return False
+    return _pytorch_runs_cudnn(query, key, value, attn_mask, is_causal)
 
 
 def _execution_transform(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None):

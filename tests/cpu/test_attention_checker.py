@@ -18,6 +18,7 @@ B, H, S, D = 2, 4, 64, 64
 @pytest.fixture(autouse=True)
 def hopper(monkeypatch):
     monkeypatch.setattr(attention, "_hopper", lambda device: True)
+    monkeypatch.setattr(attention, "_pytorch_runs_cudnn", lambda *args: True)
     monkeypatch.setattr(torch.backends.cuda, "cudnn_sdp_enabled", lambda: True)
     with tracectx(TraceCtx()):
         yield
@@ -76,3 +77,12 @@ def test_refuses_what_cudnn_does_not_run_as_pytorch_would():
 def test_refuses_everything_off_hopper(monkeypatch):
     monkeypatch.setattr(attention, "_hopper", lambda device: False)
     assert not attention._checker(*qkv(), None)
+
+
+def test_refuses_what_pytorchs_own_cudnn_check_refuses(monkeypatch):
+    seen = []
+    monkeypatch.setattr(attention, "_pytorch_runs_cudnn", lambda *args: seen.append(args) or False)
+    q, k, v = qkv()
+    mask = proxy(B, 1, S, S, dtype=dtypes.bool8)
+    assert not attention._checker(q, k, v, mask)
+    assert seen == [(q, k, v, mask, False)]
