@@ -4,10 +4,10 @@ Hugging Face models traced by Dynamo (thunderfx, torch.compile) always pass an e
 mask: their switch to ``is_causal=True`` is off while tracing. Thunder 0.2.6's SDPA executor runs
 a masked attention on PyTorch's memory-efficient kernel, expands the mask to every head, and its
 backward computes a gradient of that mask (one batch x heads x sequence x sequence tensor a
-layer), which nobody reads: on the Llama-3-8B-dims bench that attention took about 2.6 times the
-GPU time of cuDNN's, and raised the peak. PyTorch itself (eager and torch.compile) runs such an
+layer), which nobody reads (docs/performance.md, "Attention inside Thunder"). PyTorch itself (eager and torch.compile) runs such an
 attention on cuDNN's kernels on Hopper; this executor does the same inside Thunder, through
-PyTorch's ``_scaled_dot_product_cudnn_attention`` and its backward, with no gradient for the mask.
+PyTorch's ``_scaled_dot_product_cudnn_attention`` and its backward, with no gradient for the
+boolean mask (additive masks, which may need one, are left to Thunder's SDPA executor).
 
 It claims only what those kernels run as PyTorch's dispatcher would (``_checker``); anything else
 stays with the executors listed after it (Thunder's SDPA executor, then Thunder's decomposition).
@@ -15,14 +15,13 @@ stays with the executors listed after it (Thunder's SDPA executor, then Thunder'
 
 from __future__ import annotations
 
-import math
 from numbers import Number
 from typing import Any
 
 import thunder.torch as ltorch
 import torch
 from thunder.core import dtypes
-from thunder.core.proxies import TensorProxy, pyval
+from thunder.core.proxies import NumberProxy, TensorProxy, pyval
 from thunder.core.transforms import get_grad, put_grads
 from thunder.extend import OperatorExecutor, register_executor
 
@@ -30,6 +29,7 @@ attention_ex = OperatorExecutor("te_v2_cudnn_attention", version="0.1")
 register_executor(attention_ex)
 
 _DTYPES = (dtypes.bfloat16, dtypes.float16)
+_MASKED = -65504.0  # PyTorch's fill for a masked position on its cuDNN path
 _MAX_HEAD_DIM = 128
 
 
@@ -39,15 +39,17 @@ def _unit_last_stride(t: torch.Tensor) -> torch.Tensor:
 
 
 def _bias(attn_mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
-    """``attn_mask`` as cuDNN's additive bias: a boolean mask becomes 0 where True and -inf where
-    False (as ``F.scaled_dot_product_attention`` reads it), with a leading dim per missing one."""
+    """A boolean ``attn_mask`` as cuDNN's additive bias, exactly as PyTorch's own cuDNN path makes
+    it (``convert_boolean_attn_mask_cudnn``): 0 where True and the finite ``_MASKED`` where False,
+    with a leading dim per missing one. Finite, a row with no key left gives no NaN, forward or
+    backward (with -inf, a padding row of a left-padded batch could put NaN into the gradients
+    through a zero gradient); it then attends to every key, as PyTorch eager's does there."""
     if attn_mask is None:
         return None
-    if attn_mask.dtype == torch.bool:
-        attn_mask = torch.zeros(attn_mask.shape, dtype=dtype, device=attn_mask.device).masked_fill_(
-            attn_mask.logical_not(), -math.inf
-        )
-    return attn_mask.view((1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape))
+    bias = torch.where(
+        attn_mask.logical_not(), _MASKED, torch.zeros((), dtype=dtype, device=attn_mask.device)
+    )
+    return bias.view((1,) * (4 - bias.dim()) + tuple(bias.shape))
 
 
 def _forward_meta(
@@ -177,10 +179,14 @@ def _checker(
 ) -> bool:
     """Whether cuDNN's kernels run this attention as PyTorch's would: on a Hopper GPU, 16-bit
     4-D query, key and value of one dtype, batch and heads, head dim a multiple of 8 up to 128,
-    no dropout (its random state stays Thunder's), a causal flag only on square attention, and a
-    mask (boolean, or an additive one of the inputs' dtype) that needs no gradient, of the
-    attention's full sequence-by-sequence shape, broadcast at most over batch and heads; and
-    PyTorch's own check of cuDNN attention passes for them."""
+    no dropout (its random state stays Thunder's), dropout, causal flag and scale known when
+    tracing (a symbolic one would be frozen into the kernels' arguments), a causal flag only on
+    square attention, a boolean mask of the attention's full sequence-by-sequence shape broadcast
+    at most over batch and heads; and PyTorch's own check of cuDNN attention passes for them.
+
+    Not an additive mask: one computed in the trace from a trained tensor (a learned position
+    bias) has a gradient, which the checker cannot see (its proxy says no gradient) and this
+    backward does not compute; Thunder's SDPA executor does."""
     qkv = (query, key, value)
     if not all(isinstance(t, TensorProxy) and t.ndim == 4 and t.dtype == query.dtype for t in qkv):
         return False
@@ -193,7 +199,8 @@ def _checker(
         return False
     if not all(x % 8 == 0 and 0 < x <= _MAX_HEAD_DIM for x in (d, d_v)) or min(s_q, s_kv) == 0:
         return False
-    dropout_p, is_causal = pyval(dropout_p), pyval(is_causal)
+    if any(isinstance(a, NumberProxy) for a in (dropout_p, is_causal, scale)):
+        return False  # a value the trace must not freeze into the kernels' arguments
     if not isinstance(dropout_p, Number) or dropout_p != 0 or not isinstance(is_causal, bool):
         return False
     if is_causal and (attn_mask is not None or s_q != s_kv):
@@ -203,8 +210,7 @@ def _checker(
             return False
         leading = (1,) * (4 - attn_mask.ndim) + tuple(attn_mask.shape[:-2])
         if not (
-            attn_mask.dtype in (dtypes.bool8, query.dtype)
-            and not attn_mask.requires_grad
+            attn_mask.dtype == dtypes.bool8
             and attn_mask.device == query.device
             and tuple(attn_mask.shape[-2:]) == (s_q, s_kv)
             and leading[0] in (1, b)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from thunder.core import devices, dtypes
-from thunder.core.proxies import TensorProxy
+from thunder.core.proxies import FloatProxy, IntegerProxy, TensorProxy
 from thunder.core.trace import TraceCtx, tracectx
 
 from te_v2_executor import attention
@@ -41,10 +41,10 @@ def qkv(**kw) -> tuple[TensorProxy, TensorProxy, TensorProxy]:
         (None, dict(is_causal=True)),
         (lambda: proxy(B, 1, S, S, dtype=dtypes.bool8), {}),  # Hugging Face's causal mask
         (lambda: proxy(S, S, dtype=dtypes.bool8), {}),
-        (lambda: proxy(1, H, S, S), {}),  # additive, the inputs' dtype
+        (lambda: proxy(1, H, S, S, dtype=dtypes.bool8), {}),
         (None, dict(scale=0.5)),
     ],
-    ids=["none", "causal", "hf-mask", "2d-mask", "additive", "scale"],
+    ids=["none", "causal", "hf-mask", "2d-mask", "per-head-mask", "scale"],
 )
 def test_claims_what_cudnn_runs(mask, kwargs):
     assert attention._checker(*qkv(), mask() if mask else None, **kwargs)
@@ -58,7 +58,9 @@ def test_refuses_what_cudnn_does_not_run_as_pytorch_would():
         "grouped-query heads": (q, proxy(B, 1, S, D), proxy(B, 1, S, D), None),
         "head dim 100": (proxy(B, H, S, 100), proxy(B, H, S, 100), proxy(B, H, S, 100), None),
         "head dim 256": (proxy(B, H, S, 256), proxy(B, H, S, 256), proxy(B, H, S, 256), None),
-        "mask needing a gradient": (q, k, v, proxy(B, 1, S, S, requires_grad=True)),
+        # an additive mask may be a trained bias's function, whose gradient this backward lacks
+        "additive mask": (q, k, v, proxy(B, 1, S, S)),
+        "additive mask needing a gradient": (q, k, v, proxy(B, 1, S, S, requires_grad=True)),
         "float32 mask": (q, k, v, proxy(B, 1, S, S, dtype=dtypes.float32)),
         "padding mask broadcast over queries": (q, k, v, proxy(B, 1, 1, S, dtype=dtypes.bool8)),
         "3-d inputs": (proxy(H, S, D), proxy(H, S, D), proxy(H, S, D), None),
@@ -72,6 +74,10 @@ def test_refuses_what_cudnn_does_not_run_as_pytorch_would():
     assert not attention._checker(q, k, v, proxy(B, 1, S, S, dtype=dtypes.bool8), 0.0, True), (
         "mask and causal"
     )
+    symbolic = {"dropout_p": FloatProxy(value=0.0), "is_causal": IntegerProxy(value=False)}
+    for name, value in symbolic.items():
+        assert not attention._checker(q, k, v, None, **{name: value}), f"symbolic {name}"
+    assert not attention._checker(q, k, v, None, scale=FloatProxy(value=0.5)), "symbolic scale"
 
 
 def test_refuses_everything_off_hopper(monkeypatch):

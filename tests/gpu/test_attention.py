@@ -28,10 +28,7 @@ CASES = {
     "causal": (lambda: None, dict(is_causal=True)),
     "hf-mask": (lambda: _causal(B), {}),
     "2d-mask": (lambda: _causal(1)[0, 0], dict(scale=0.05)),
-    "additive-mask": (
-        lambda: torch.randn(1, H, S, S, device="cuda", dtype=torch.bfloat16),
-        {},
-    ),
+    "per-head-mask": (lambda: torch.rand(1, H, S, S, device="cuda") < 0.9, {}),
     "no-mask": (lambda: None, {}),
 }
 
@@ -106,6 +103,46 @@ def test_odd_shapes_and_layouts_match_pytorch_whichever_executor_runs_them(b, h,
     grad = torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
     ran = _check_against_pytorch(f"{b}x{h}x{s}x{d}", inputs, mask, {}, grad)
     print(f"ran on {sorted(ran)}")
+
+
+def test_a_learned_additive_mask_gets_its_gradient():
+    """An additive mask computed from a trained tensor (a learned position bias) has a gradient,
+    which te_v2's attention does not compute: such a mask is left to Thunder's SDPA executor."""
+    inputs = _inputs()
+    bias = torch.randn(1, H, S, S, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    grad = torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16)
+
+    def attend(q, k, v, bias):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias * 0.5)
+
+    grads = []
+    for fn in (thunder.jit(attend, executors=executors()), attend):
+        bias.grad = None
+        fn(*inputs, bias).backward(grad)
+        grads.append(bias.grad)
+    assert grads[0] is not None
+    torch.testing.assert_close(grads[0], grads[1], rtol=2e-2, atol=2e-2)
+
+
+def test_rows_with_no_key_left_match_pytorch_and_stay_finite():
+    """A left-padded batch's causal mask leaves its padding rows no key. Masked positions are
+    filled with a finite value, as on PyTorch's cuDNN path, so those rows give no NaN, forward or
+    backward; their gradient is zero (no loss there), so every gradient is what PyTorch's is,
+    whatever a kernel puts in a row with no key."""
+    inputs = _inputs()
+    mask = _causal(B).clone()
+    mask[1, :, :, :16] = False  # the second sequence's first 16 tokens are padding
+    grad = torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16)
+    grad[1, :, :16] = 0  # padding positions have no loss
+    jitted = thunder.jit(_sdpa, executors=executors())
+    ours = _run(jitted, inputs, mask, {}, grad)
+    ran = executors_run([thunder.last_traces(jitted)[-1], thunder.last_backward_traces(jitted)[-1]])
+    assert "te_v2_cudnn_attention" in ran, ran
+    eager = _run(_sdpa, inputs, mask, {}, grad)
+    ours[0][1, :, :16] = eager[0][1, :, :16] = 0  # rows with no key: kernels differ on those
+    for name, o, e in zip(("out", "dq", "dk", "dv"), ours, eager, strict=True):
+        assert torch.isfinite(o).all(), name
+        torch.testing.assert_close(o, e, rtol=2e-2, atol=2e-2, msg=name)
 
 
 def test_cudnns_kernels_run_and_no_mask_is_expanded_to_every_head():
