@@ -4,8 +4,9 @@ Hugging Face models traced by Dynamo (thunderfx, torch.compile) always pass an e
 mask: their switch to ``is_causal=True`` is off while tracing. Thunder 0.2.6's SDPA executor runs
 a masked attention on PyTorch's memory-efficient kernel, expands the mask to every head, and its
 backward computes a gradient of that mask (one batch x heads x sequence x sequence tensor a
-layer), which nobody reads (docs/performance.md, "Attention inside Thunder"). PyTorch itself (eager and torch.compile) runs such an
-attention on cuDNN's kernels on Hopper; this executor does the same inside Thunder, through
+layer), which nobody reads (docs/performance.md, "Attention inside Thunder"). PyTorch itself
+(eager and torch.compile) runs such an attention on cuDNN's kernels on Hopper; this executor does
+the same inside Thunder, through
 PyTorch's ``_scaled_dot_product_cudnn_attention`` and its backward, with no gradient for the
 boolean mask (additive masks, which may need one, are left to Thunder's SDPA executor).
 

@@ -144,8 +144,9 @@ def make_te_v2(
 def executors(te_v2_executor: TEv2Executor | None = None) -> list[Executor]:
     """The executor list te_v2 runs fastest in: ``te_v2_executor`` (``te_v2`` when None), then
     cuDNN's attention kernels (``attention.py``; Thunder's SDPA executor for what they do not
-    run) and Thunder's torch.compile executor for the ops between te_v2's GEMMs (``fusers.fast_after_te_v2``; docs/performance.md, "Real models").
-    Pass it as ``executors=`` to ``thunder.jit`` or ``thunderfx``.
+    run) and Thunder's torch.compile executor for the ops between te_v2's GEMMs
+    (``fusers.fast_after_te_v2``; docs/performance.md, "Real models"). Pass it as ``executors=``
+    to ``thunder.jit`` or ``thunderfx``.
 
     Where Thunder's cuDNN attention executor cannot run, it also removes it from Thunder's default
     executors, with a one-time warning saying why (``fusers.broken_default_attention``): thunderfx

@@ -9,10 +9,9 @@ after te_v2, and runs everywhere Thunder does; nvFuser, where installed, failed 
 Llama through thunderfx (docs/performance.md, "Real models"), so it is listed only on request.
 Attention goes to te_v2's cuDNN attention executor, or else Thunder's SDPA executor (PyTorch's
 fused attention kernels): no fuser claims it, and Thunder would otherwise decompose it into two
-matrix products and a softmax. thunderfx's
-splitter checks each node with Thunder's *default* executors, not the ones it is given, so a
-cuDNN attention executor among them that cannot run sends every attention out of Thunder
-(``broken_default_attention``).
+matrix products and a softmax. thunderfx's splitter checks each node with Thunder's *default*
+executors, not the ones it is given, so a cuDNN attention executor among them that cannot run
+sends every attention out of Thunder (``broken_default_attention``).
 """
 
 from __future__ import annotations
@@ -77,8 +76,8 @@ def broken_default_attention() -> str:
         f"attention calls pygraph.{_CUDNN_SDPA_METHOD}, which the installed cuDNN frontend "
         f"({version}) does not have, so it raised on every attention and thunderfx's splitter, which "
         "checks nodes with the default executors, sent each attention to TorchInductor; attention "
-        "now stays in Thunder, on te_v2's attention executor. To keep the 'cudnn' executor, install a cuDNN "
-        "frontend that has that method (nvidia-cudnn-frontend) and a Thunder that matches it"
+        "now stays in Thunder, on te_v2's attention executor. To keep the 'cudnn' executor, install "
+        "a cuDNN frontend that has that method (nvidia-cudnn-frontend) and a Thunder that matches it"
     )
 
 
