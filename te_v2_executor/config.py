@@ -37,11 +37,18 @@ class ClaimPolicy:
     after te_v2 when that one could fuse it with a neighbour, and otherwise runs PyTorch's own
     GELU kernels.
     False leaves every GELU to Thunder's other executors.
+
+    ``silu``: te_v2 also takes SiLUs (``F.silu``, ``nn.SiLU()``), so that a SwiGLU,
+    ``silu(gate) * up``, whose output only a te_v2 linear reads (Llama's MLP) is computed inside
+    that linear's FP8 quantization, and its backward inside the quantizations of the gate's and
+    up's gradients; an unfolded SiLU goes where an unfolded GELU goes. False leaves every SiLU to
+    Thunder's other executors.
     """
 
     min_features: int = DEFAULT_MIN_FEATURES
     unquantized: bool = True
     gelu: bool = True
+    silu: bool = True
 
     def __post_init__(self) -> None:
         _require(
@@ -51,7 +58,7 @@ class ClaimPolicy:
             f"ClaimPolicy(min_features={self.min_features!r}) must be a whole number of features, "
             f"0 or more (0 claims every linear TE can run; the default is {DEFAULT_MIN_FEATURES})",
         )
-        for name in ("unquantized", "gelu"):
+        for name in ("unquantized", "gelu", "silu"):
             value = getattr(self, name)
             _require(isinstance(value, bool), f"ClaimPolicy({name}={value!r}) must be True or False")
 

@@ -1,6 +1,6 @@
 """How te_v2 claims a linear: the lookaside, the checker, the execution and grad transforms; and
-the claim of exact GELUs, as single symbols a pass can fold into the linears' FP8 quantization
-(``passes/gelu.py``).
+the claim of exact GELUs and of SiLUs, as single symbols a pass can fold into the linears' FP8
+quantization (``passes/gelu.py``, ``passes/swiglu.py``).
 
 The grad transform emits the full backward (dy quantized once, dgrad, wgrad, bias grad) and a
 forward that saves every FP8 copy; Thunder's dead-code elimination then drops the gradients
@@ -10,6 +10,9 @@ claim policy keeps out of FP8 gets the same three symbols, unquantized
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
 
 import thunder.torch as ltorch
 import torch
@@ -25,14 +28,15 @@ from te_v2_executor.autocast import RecipeGuard, active_recipe
 from te_v2_executor.config import TEv2Config
 from te_v2_executor.state import LinearQuantState
 from te_v2_executor.symbols import (
+    ACTIVATION_BACKWARD,
     CHECK_RECIPE,
     GELU,
-    GELU_BACKWARD,
     LINEAR_DGRAD,
     LINEAR_FWD,
     LINEAR_IDS,
     LINEAR_WGRAD,
     QUANTIZE_GRAD_OUTPUT,
+    SILU,
     UNQUANTIZED_DGRAD,
     UNQUANTIZED_FWD,
     UNQUANTIZED_WGRAD,
@@ -154,21 +158,34 @@ class LinearLowering:
         """Exact GELUs only: TE has no kernel for them, and the tanh approximation is not one."""
         return self.config.claim.gelu and approximate == "none"
 
-    def gelu_execution_transform(self, a: TensorProxy, approximate: str = "none") -> TensorProxy:
-        return GELU(a)
+    def silu_checker(self, a: TensorProxy, inplace: bool = False) -> bool:
+        """Out-of-place SiLUs: an in-place one writes its input, which a fold would read."""
+        return self.config.claim.silu and not inplace
 
-    def gelu_grad_transform(self, a: TensorProxy, approximate: str = "none") -> TensorProxy:
-        h = GELU(a)
-        put_grad(a, GELU_BACKWARD(get_grad(h), a))
-        return h
+    @staticmethod
+    def _activation_transforms(sym: Any) -> tuple[Callable, Callable]:
+        """The execution and grad transforms that run an activation as te_v2's symbol ``sym``,
+        its gradient as that symbol's backward."""
+
+        def execution_transform(a: TensorProxy, *args: Any, **kwargs: Any) -> TensorProxy:
+            return sym(a)
+
+        def grad_transform(a: TensorProxy, *args: Any, **kwargs: Any) -> TensorProxy:
+            h = sym(a)
+            put_grad(a, ACTIVATION_BACKWARD[sym](get_grad(h), a))
+            return h
+
+        return execution_transform, grad_transform
 
     def register(self) -> None:
-        self.executor.register_supported(
-            ltorch.gelu.id,
-            self.gelu_checker,
-            execution_transform=self.gelu_execution_transform,
-            grad_transform=self.gelu_grad_transform,
-        )
+        for sym_id, checker, sym in (
+            (ltorch.gelu.id, self.gelu_checker, GELU),
+            (ltorch.silu.id, self.silu_checker, SILU),
+        ):
+            execution_transform, grad_transform = self._activation_transforms(sym)
+            self.executor.register_supported(
+                sym_id, checker, execution_transform=execution_transform, grad_transform=grad_transform
+            )
         for sym_id in LINEAR_IDS:
             self.executor.register_supported(
                 sym_id,

@@ -48,6 +48,8 @@ def _flat_shape(t: TensorProxy) -> tuple[int, int]:
 # the forward sync took before updating them, and the row of this linear in it; it quantizes
 # exactly as the original forward did and records no amax.
 # ``gelu``: x is the input of an exact GELU whose output the linear reads (``passes/gelu.py``).
+# ``up``: x is the gate of a SwiGLU, silu(x) * up, whose output the linear reads
+# (``passes/swiglu.py``).
 # A forward that only saves the weight's copy takes no x (a recast, ``passes/recasts.py``).
 # ``x_q``: x as ``te_v2_quantize_input`` cast it once for every forward that reads it
 # (``passes/shared_inputs.py``); the forward reads that copy and casts only W.
@@ -68,6 +70,7 @@ def _linear_fwd_meta(
     save_input,
     save_weight,
     gelu=False,
+    up=None,
     replay=None,
     replay_row=0,
     after=None,
@@ -89,6 +92,7 @@ def _linear_fwd_impl(
     save_input,
     save_weight,
     gelu=False,
+    up=None,
     replay=None,
     replay_row=0,
     after=None,
@@ -106,6 +110,7 @@ def _linear_fwd_impl(
         save_input=save_input,
         save_weight=save_weight,
         gelu=gelu,
+        up=up,
         x_q=x_q,
     )
     return y, x_saved, w_saved, None
@@ -137,16 +142,22 @@ QUANTIZE_INPUT = ops.register_operator(
 
 # ---- backward: dy quantized once, shared by dgrad and wgrad; bias grad alongside ------------
 # ``gelu_input``: dy is the gradient of an exact GELU's output, and the GELU's input is given; the
-# gradient of that input is what gets quantized (``passes/gelu.py``).
+# gradient of that input is what gets quantized (``passes/gelu.py``). ``swiglu_gate``: dy is the
+# gradient of a SwiGLU's output, silu(gate) * up, and the gradient of up is quantized; with
+# ``swiglu_up`` also given, the gradient of the gate (``passes/swiglu.py``).
 
 
-def _quantize_grad_output_meta(dy, gelu_input=None, *, state, rowwise, columnwise, bgrad):
+def _quantize_grad_output_meta(
+    dy, gelu_input=None, swiglu_gate=None, swiglu_up=None, *, state, rowwise, columnwise, bgrad
+):
     dy_q = _fp8_proxy(dy, _flat_shape(dy), state, forward=False) if (rowwise or columnwise) else None
     dbias = TensorProxy(like=dy, shape=(dy.shape[-1],)) if bgrad else None
     return dy_q, dbias
 
 
-def _quantize_grad_output_impl(dy, gelu_input=None, *, state, rowwise, columnwise, bgrad):
+def _quantize_grad_output_impl(
+    dy, gelu_input=None, swiglu_gate=None, swiglu_up=None, *, state, rowwise, columnwise, bgrad
+):
     return state.numerics.quantize_grad_output(
         dy,
         state.backward_scaling(dy.device),
@@ -154,6 +165,8 @@ def _quantize_grad_output_impl(dy, gelu_input=None, *, state, rowwise, columnwis
         columnwise=columnwise,
         bgrad=bgrad,
         gelu_input=gelu_input,
+        swiglu_gate=swiglu_gate,
+        swiglu_up=swiglu_up,
     )
 
 
@@ -239,18 +252,15 @@ UNQUANTIZED_WGRAD = ops.register_operator(
 )
 
 
-# ---- exact GELU, claimed so a pass can fold it into the quantizations next to it -------------
-# Unfolded, PyTorch's own kernels run it (fp32 math, one rounding), as in eager mode.
+# ---- exact GELU and SiLU, claimed so a pass can fold them into the quantizations next to them --
+# Unfolded, PyTorch's own kernels run them (fp32 math, one rounding), as in eager mode.
 
 
-def _gelu_meta(a):
+def _activation_meta(a):
     return TensorProxy(like=a)
 
 
-GELU = ops.register_operator("te_v2_gelu", meta=_gelu_meta, fn=torch.nn.functional.gelu)
-
-
-def _gelu_backward_meta(grad, a):
+def _activation_backward_meta(grad, a):
     return TensorProxy(like=a)
 
 
@@ -258,7 +268,20 @@ def _gelu_backward_impl(grad: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
     return torch.ops.aten.gelu_backward(grad, a)
 
 
-GELU_BACKWARD = ops.register_operator("te_v2_gelu_backward", meta=_gelu_backward_meta, fn=_gelu_backward_impl)
+def _silu_backward_impl(grad: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+    return torch.ops.aten.silu_backward(grad, a)
+
+
+GELU = ops.register_operator("te_v2_gelu", meta=_activation_meta, fn=torch.nn.functional.gelu)
+GELU_BACKWARD = ops.register_operator(
+    "te_v2_gelu_backward", meta=_activation_backward_meta, fn=_gelu_backward_impl
+)
+SILU = ops.register_operator("te_v2_silu", meta=_activation_meta, fn=torch.nn.functional.silu)
+SILU_BACKWARD = ops.register_operator(
+    "te_v2_silu_backward", meta=_activation_backward_meta, fn=_silu_backward_impl
+)
+# activation -> its backward, (grad, input) -> the input's gradient
+ACTIVATION_BACKWARD = {GELU: GELU_BACKWARD, SILU: SILU_BACKWARD}
 
 
 # ---- an exact widening the backward recomputes for te_v2 readers (``passes/widenings.py``) ---

@@ -140,6 +140,25 @@ class LlamaLikeBlock(nn.Module):
         return x + self.down(torch.nn.functional.silu(self.gate(h)) * self.up(h))
 
 
+class SwiGLUMLP(nn.Module):
+    """Llama's MLP, ``down(silu(gate(x)) * up(x))``, with a residual add; ``lora`` puts a LoRA
+    adapter on ``down``, which then reads the SwiGLU twice."""
+
+    def __init__(
+        self, dim: int, hidden: int, *, lora: bool = False, factory: LinearFactory = torch_linear, **kw
+    ) -> None:
+        super().__init__()
+        self.gate = factory(dim, hidden, False, **kw)
+        self.up = factory(dim, hidden, False, **kw)
+        if lora:
+            self.down = LoRALinear(hidden, dim, 16, factory=factory, **kw)
+        else:
+            self.down = factory(hidden, dim, False, **kw)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.nn.functional.silu(self.gate(x)) * self.up(x))
+
+
 class SharedWeight(nn.Module):
     """One weight used by two linears (tied weights)."""
 

@@ -50,10 +50,12 @@ class KernelBackend(Protocol):
         save_input: bool,
         save_weight: bool,
         gelu: bool = False,
+        up: torch.Tensor | None = None,
         x_q: Any = None,
     ) -> tuple[torch.Tensor | None, Any, Any]:
         """y = x W^T + b and the column-wise FP8 copies of x and W the backward reads; x is None
-        when only W's copy is wanted; ``x_q`` is x as ``quantize_input`` cast it."""
+        when only W's copy is wanted; ``x_q`` is x as ``quantize_input`` cast it. With ``gelu`` or
+        ``up``, the GEMM's input is ``activation_input`` of x."""
         ...
 
     def quantize_input(
@@ -73,8 +75,11 @@ class KernelBackend(Protocol):
         columnwise: bool,
         bgrad: bool,
         gelu_input: torch.Tensor | None = None,
+        swiglu_gate: torch.Tensor | None = None,
+        swiglu_up: torch.Tensor | None = None,
     ) -> tuple[Any, torch.Tensor | None]:
-        """dy quantized for dgrad (row-wise) and wgrad (column-wise), and the bias grad."""
+        """dy quantized for dgrad (row-wise) and wgrad (column-wise), and the bias grad. With an
+        activation's operands, ``activation_grad`` of dy is what is quantized."""
         ...
 
     def linear_dgrad(
@@ -108,6 +113,39 @@ class KernelBackend(Protocol):
         """The amax-history and scale update of every state of one flush, from their reduced
         current amaxes concatenated in order."""
         ...
+
+
+def activation_input(
+    x2d: torch.Tensor, *, gelu: bool = False, up: torch.Tensor | None = None
+) -> torch.Tensor:
+    """What a forward folded with an activation quantizes, as PyTorch's eager kernels compute it:
+    gelu(x) with ``gelu``; SwiGLU's silu(x) * up with ``up``, x the gate; else x itself."""
+    if gelu:
+        return torch.nn.functional.gelu(x2d)
+    if up is not None:
+        return torch.nn.functional.silu(x2d) * up.reshape(x2d.shape)
+    return x2d
+
+
+def activation_grad(
+    dy2d: torch.Tensor,
+    *,
+    gelu_input: torch.Tensor | None = None,
+    swiglu_gate: torch.Tensor | None = None,
+    swiglu_up: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """What a dy quantization folded with an activation's backward quantizes, as PyTorch's
+    autograd computes it from dy, the gradient of the activation's output: the GELU input's
+    gradient with ``gelu_input``; with ``swiglu_gate``, the gradient of SwiGLU's up, or with
+    ``swiglu_up`` too of its gate; else dy itself."""
+    if gelu_input is not None:
+        return torch.ops.aten.gelu_backward(dy2d, gelu_input.reshape(dy2d.shape))
+    if swiglu_gate is None:
+        return dy2d
+    gate = swiglu_gate.reshape(dy2d.shape)
+    if swiglu_up is None:
+        return dy2d * torch.nn.functional.silu(gate)
+    return torch.ops.aten.silu_backward(dy2d * swiglu_up.reshape(dy2d.shape), gate)
 
 
 def as_matrix(t: torch.Tensor) -> torch.Tensor:

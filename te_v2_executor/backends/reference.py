@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from te_v2_executor.backends.common import as_matrix
+from te_v2_executor.backends.common import activation_grad, activation_input, as_matrix
 from te_v2_executor.recipes import RecipeSpec
 
 BLOCK = 128
@@ -171,20 +171,19 @@ def linear_fwd(
     save_input: bool,
     save_weight: bool,
     gelu: bool = False,
+    up: torch.Tensor | None = None,
     x_q: ReferenceQuantizedTensor | None = None,
 ) -> tuple[torch.Tensor | None, ReferenceQuantizedTensor | None, ReferenceQuantizedTensor | None]:
     """Forward GEMM y = x W^T + b, and the column-wise FP8 copies the backward needs.
 
     ``compute_output`` False (a recomputed forward whose y nobody reads) only quantizes; x is
-    not read unless y or its copy is wanted. ``gelu``: the GEMM's input is gelu(x), rounded to
-    x's dtype as PyTorch's GELU returns it. ``x_q``: x already quantized row-wise by
+    not read unless y or its copy is wanted. ``gelu`` or ``up``: the GEMM's input is
+    ``activation_input`` of x, as PyTorch's eager kernels round it. ``x_q``: x already quantized row-wise by
     ``quantize_input``, which the GEMM reads instead of casting x.
     """
     xq = x_q
     if x_q is None and (compute_output or save_input):
-        x2d = as_matrix(x)
-        if gelu:
-            x2d = torch.nn.functional.gelu(x2d)
+        x2d = activation_input(as_matrix(x), gelu=gelu, up=up)
         xq = _quantize(x2d, scaling, 0, weight=False, rowwise=compute_output, columnwise=save_input)
     wq = None
     if compute_output or save_weight:
@@ -223,12 +222,13 @@ def quantize_grad_output(
     columnwise: bool,
     bgrad: bool,
     gelu_input: torch.Tensor | None = None,
+    swiglu_gate: torch.Tensor | None = None,
+    swiglu_up: torch.Tensor | None = None,
 ) -> tuple[ReferenceQuantizedTensor | None, torch.Tensor | None]:
-    """Quantize dy once for dgrad (row-wise) and wgrad (column-wise); bias grad alongside. With
-    ``gelu_input``, dy is a GELU output's gradient and its input's gradient is quantized."""
-    dy2d = as_matrix(dy)
-    if gelu_input is not None:
-        dy2d = torch.ops.aten.gelu_backward(dy2d, gelu_input.reshape(dy2d.shape))
+    """Quantize dy once for dgrad (row-wise) and wgrad (column-wise); bias grad alongside. With an
+    activation's operands, dy is the gradient of its output and ``activation_grad`` of it is
+    quantized."""
+    dy2d = activation_grad(as_matrix(dy), gelu_input=gelu_input, swiglu_gate=swiglu_gate, swiglu_up=swiglu_up)
     dbias = dy2d.float().sum(0).to(dy.dtype) if bgrad else None
     dyq = None
     if rowwise or columnwise:

@@ -8,7 +8,8 @@ separate.
 Hopper rule kept here, not in the passes: per-tensor FP8 cannot quantize column-wise only
 ("Columnwise-only per-tensor FP8 quantization is not implemented"), and the fused bias-grad
 quantization needs both usages, so TE's casts always build the row-wise copy. te_v2's own
-GELU-and-cast kernel (``gelu_quantize.py``), used for delayed scaling, builds only what is asked.
+activation-and-cast kernel (``activation_quantize.py``: exact GELU, SwiGLU and their gradients),
+used for delayed scaling, builds only what is asked.
 """
 
 from __future__ import annotations
@@ -29,8 +30,8 @@ from transformer_engine.pytorch.tensor.float8_tensor import Float8Quantizer, Flo
 from transformer_engine.pytorch.tensor.storage.float8_tensor_storage import Float8TensorStorage
 from transformer_engine.pytorch.utils import is_non_tn_fp8_gemm_supported
 
-from te_v2_executor.backends.common import as_matrix
-from te_v2_executor.backends.gelu_quantize import gelu_cast_transpose
+from te_v2_executor.backends.activation_quantize import Kind, activation_cast_transpose
+from te_v2_executor.backends.common import activation_grad, activation_input, as_matrix
 from te_v2_executor.recipes import RecipeSpec, Scaling
 
 _DEFAULT_SPLIT_ACCUMULATOR = {"fprop": _2X_ACC_FPROP, "dgrad": _2X_ACC_DGRAD, "wgrad": _2X_ACC_WGRAD}
@@ -139,46 +140,51 @@ def _keep_columnwise_only(q: Any) -> Any:
     return q
 
 
-# The GELU fold's Triton kernel saves GPU time but costs host time to launch: on an H200, timed
-# interleaved on the same compiled full-MLP step (docs/performance.md), it took 8192 x 14336
-# (117M elements) from 1.00 to 0.99x te.Linear eager and 2048 x 14336 (29M) from 1.05 to 1.10x.
-# Smaller tensors take PyTorch's GELU and TE's cast, unless a CUDA graph is being captured,
-# where the launch is paid once.
-GELU_FOLD_MIN_ELEMENTS = 1 << 26
+# The activation folds' Triton kernel saves GPU time but costs host time to launch: on an H200,
+# timed interleaved on the same compiled full-MLP step (docs/performance.md), it took 8192 x 14336
+# (117M elements) from 1.00 to 0.99x te.Linear eager and 2048 x 14336 (29M) from 1.05 to 1.10x
+# (GELU). Smaller tensors take PyTorch's activation and TE's cast, unless a CUDA graph is being
+# captured, where the launch is paid once.
+FOLD_MIN_ELEMENTS = 1 << 26
 
 
-def _gelu_fusable(quantizer: Any, a: torch.Tensor) -> bool:
+def _foldable(quantizer: Any, *operands: torch.Tensor) -> bool:
     """Per-tensor delayed scaling, whose scale is known before the values so that one pass can
-    cast, of a bfloat16 tensor (the only dtype the kernel is validated for) large enough to gain
+    cast, of bfloat16 operands (the only dtype the kernel is validated for) large enough to gain
     from it, on a GPU whose FP8 GEMMs read transposed copies (Hopper; newer ones read the
     row-wise data only)."""
+    a = operands[0]
     return (
         isinstance(quantizer, Float8Quantizer)
-        and a.dtype == torch.bfloat16
+        and all(t.dtype == torch.bfloat16 and t.shape == a.shape for t in operands)
         and a.numel() > 0
         and not is_non_tn_fp8_gemm_supported()
-        and (a.numel() >= GELU_FOLD_MIN_ELEMENTS or torch.cuda.is_current_stream_capturing())
+        and (a.numel() >= FOLD_MIN_ELEMENTS or torch.cuda.is_current_stream_capturing())
     )
 
 
-def _gelu_quantize(
+def _fold_quantize(
+    kind: Kind,
     a: torch.Tensor,
-    grad: torch.Tensor | None,
     quantizer: Float8Quantizer,
     recipe: RecipeSpec,
     *,
+    up: torch.Tensor | None = None,
+    grad: torch.Tensor | None = None,
     rowwise: bool,
     columnwise: bool,
     forward: bool,
 ) -> Any:
-    """The FP8 copies of gelu(a), or with ``grad`` of the GELU's input gradient, as the TE tensor
+    """The FP8 copies of what ``kind`` computes from ``a`` (and ``up``, ``grad``), as the TE tensor
     ``quantizer`` would have made from them (amax recorded in its history slot)."""
-    row, col, scale_inv = gelu_cast_transpose(
+    row, col, scale_inv = activation_cast_transpose(
+        kind,
         a,
-        grad,
         quantizer.scale,
         quantizer.amax,
         recipe.fp8_dtype(forward=forward),
+        up=up,
+        grad=grad,
         rowwise=rowwise,
         columnwise=columnwise,
     )
@@ -200,32 +206,36 @@ def linear_fwd(
     save_input: bool,
     save_weight: bool,
     gelu: bool = False,
+    up: torch.Tensor | None = None,
     x_q: Any = None,
 ) -> tuple[torch.Tensor | None, Any, Any]:
     """Forward GEMM y = x W^T + b, and the column-wise FP8 copies the backward needs.
 
     ``compute_output`` False (a recomputed forward whose y nobody reads) only quantizes; x is
-    not read unless y or its copy is wanted. ``gelu``: the GEMM's input is gelu(x), computed
-    within the quantization where the recipe allows. ``x_q``: x already quantized row-wise by
+    not read unless y or its copy is wanted. ``gelu`` or ``up``: the GEMM's input is gelu(x)
+    or SwiGLU's silu(x) * up, computed within the quantization where the recipe allows. ``x_q``: x already quantized row-wise by
     ``quantize_input``, which the GEMM reads instead of casting x.
     """
     input_quantizer, weight_quantizer = scaling.quantizers
     xq = x_q
     if x_q is None and (compute_output or save_input):
         x2d = as_matrix(x)
-        if gelu and _gelu_fusable(input_quantizer, x2d):
-            xq = _gelu_quantize(
+        up2d = as_matrix(up) if up is not None else None
+        kind = Kind.GELU if gelu else Kind.SWIGLU if up is not None else None
+        if kind is not None and _foldable(input_quantizer, x2d, *([up2d] if up2d is not None else [])):
+            xq = _fold_quantize(
+                kind,
                 x2d,
-                None,
                 input_quantizer,
                 scaling.recipe,
+                up=up2d,
                 rowwise=compute_output,
                 columnwise=save_input,
                 forward=True,
             )
         else:
             input_quantizer.set_usage(rowwise=True, columnwise=save_input)
-            xq = _quantize(input_quantizer, torch.nn.functional.gelu(x2d) if gelu else x2d)
+            xq = _quantize(input_quantizer, activation_input(x2d, gelu=gelu, up=up2d))
     wq = None
     if compute_output or save_weight:
         weight_quantizer.set_usage(rowwise=True, columnwise=save_weight)
@@ -276,25 +286,45 @@ def quantize_grad_output(
     columnwise: bool,
     bgrad: bool,
     gelu_input: torch.Tensor | None = None,
+    swiglu_gate: torch.Tensor | None = None,
+    swiglu_up: torch.Tensor | None = None,
 ) -> tuple[Any, torch.Tensor | None]:
     """Quantize dy once for dgrad (row-wise) and wgrad (column-wise); bias grad alongside, fused
-    into the quantization where TE has that kernel. With ``gelu_input`` the quantized gradient is
-    that of the GELU's input, computed within the quantization where the recipe allows."""
+    into the quantization where TE has that kernel. With an activation's operands (``gelu_input``;
+    ``swiglu_gate``, and ``swiglu_up`` for the gate's gradient) dy is the gradient of its output,
+    and the gradient of its input is quantized, computed within the quantization where the
+    recipe allows."""
     dy2d = as_matrix(dy)
     (quantizer,) = scaling.quantizers
-    if gelu_input is not None:
-        a2d = as_matrix(gelu_input)
+    operands = {"gelu_input": gelu_input, "swiglu_gate": swiglu_gate, "swiglu_up": swiglu_up}
+    if any(t is not None for t in operands.values()):
+        x = as_matrix(gelu_input if gelu_input is not None else swiglu_gate)
+        up = as_matrix(swiglu_up) if swiglu_up is not None else None
+        kind = (
+            Kind.GELU_GRAD
+            if gelu_input is not None
+            else Kind.SWIGLU_GRAD_GATE
+            if up is not None
+            else Kind.SWIGLU_GRAD_UP
+        )
         if (
             (rowwise or columnwise)
             and not bgrad
-            and _gelu_fusable(quantizer, dy2d)
-            and a2d.dtype == dy2d.dtype
+            and _foldable(quantizer, dy2d, x, *([up] if up is not None else []))
         ):
-            dy_q = _gelu_quantize(
-                a2d, dy2d, quantizer, scaling.recipe, rowwise=rowwise, columnwise=columnwise, forward=False
+            dy_q = _fold_quantize(
+                kind,
+                x,
+                quantizer,
+                scaling.recipe,
+                up=up,
+                grad=dy2d,
+                rowwise=rowwise,
+                columnwise=columnwise,
+                forward=False,
             )
             return dy_q, None
-        dy2d = torch.ops.aten.gelu_backward(dy2d, a2d)
+        dy2d = activation_grad(dy2d, **operands)
     if not (rowwise or columnwise):
         return None, dy2d.sum(0)
     quantizer.set_usage(rowwise=True, columnwise=columnwise)

@@ -15,8 +15,13 @@ from thunder.core.trace import TraceCtx, from_trace
 from te_v2_executor.passes._writes import Writes
 from te_v2_executor.symbols import ACCUMULATE_ARG, UNQUANTIZED_FWD, arg, in_backward
 
-# A fold a pass may make: (the bound symbols it absorbs, the one that replaces the last of them).
-Fold = tuple[tuple[BoundSymbol, ...], BoundSymbol]
+# A fold a pass may make: (the bound symbols it absorbs, the one that replaces the last of them),
+# optionally followed by other bound symbols whose reads the replacement takes over while they
+# stay for other readers (an op the absorbed ones shared with another), which ``fold`` checks too.
+Fold = (
+    tuple[tuple[BoundSymbol, ...], BoundSymbol]
+    | tuple[tuple[BoundSymbol, ...], BoundSymbol, tuple[BoundSymbol, ...]]
+)
 
 # (operand dtype, wider dtype) pairs whose round trip through the wider one is exact.
 _EXACT_WIDENING = {
@@ -78,17 +83,20 @@ def made_in_backward(reader: BoundSymbol, producers: Any) -> TensorProxy | None:
 
 def fold(trace: TraceCtx, folds: Callable[[BoundSymbol, Any, Any], Iterator[Fold]]) -> TraceCtx:
     """Apply ``folds(bsym, producers, consumers)`` to every bound symbol: of the folds it offers,
-    (other bound symbols, a replacement), the first whose replacement reads what they read, no
-    write in between (``Writes.moved_reads_unchanged``), is made: the replacement takes ``bsym``'s
-    place and the others, whose work it now does, are removed."""
+    (other bound symbols, a replacement[, shared ones]), the first whose replacement reads what
+    they (and the shared ones) read, no write in between (``Writes.moved_reads_unchanged``), is
+    made: the replacement takes ``bsym``'s place and the others, whose work it now does, are
+    removed; the shared ones stay."""
     producers, consumers = utils.producers(trace), utils.consumers(trace)
     writes = Writes(trace)
     dropped: set[int] = set()
     swapped: dict[int, BoundSymbol] = {}
     for bsym in trace.bound_symbols:
         at = writes.position(bsym)
-        for absorbed, replacement in folds(bsym, producers, consumers):
-            if writes.moved_reads_unchanged([*absorbed, bsym], replacement, at):
+        for absorbed, replacement, *shared in folds(bsym, producers, consumers):
+            if writes.moved_reads_unchanged(
+                [*absorbed, *(shared[0] if shared else ()), bsym], replacement, at
+            ):
                 swapped[id(bsym)] = replacement
                 dropped.update(map(id, absorbed))
                 break

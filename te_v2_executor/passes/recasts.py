@@ -58,6 +58,7 @@ def _recast(fwd: BoundSymbol, trace: TraceCtx, after: TensorProxy | None) -> Bou
         save_input=False,
         save_weight=True,
         gelu=False,
+        up=None,
         after=after,
         output=(None, None, copy, marker),
     )

@@ -65,6 +65,7 @@ def test_the_optional_passes_are_the_folds():
         "scales",
         "sums",
         "gelus",
-        "gelu_handback",
+        "swiglus",
+        "activation_handback",
         "widenings",
     )

@@ -24,7 +24,16 @@ from te_v2_executor.symbols import (
     UNQUANTIZED_FWD,
 )
 from tests.helpers import CLAIM_ALL, backward_trace, bsyms_of, eager_emulation, sqnr_db
-from tests.models import Checkpointed, LoRALinear, LoRAStack, SharedWeight, Stack, every_even, grads
+from tests.models import (
+    Checkpointed,
+    LoRALinear,
+    LoRAStack,
+    SharedWeight,
+    Stack,
+    SwiGLUMLP,
+    every_even,
+    grads,
+)
 
 RECIPES = {
     "delayed": delayed_scaling(amax_history_len=16),
@@ -45,6 +54,7 @@ def _models(dim: int):
         "shared": lambda: SharedWeight(dim),
         "checkpoint": lambda: Checkpointed(dim),
         "gelu": lambda: Stack([dim] * 4, act=torch.nn.functional.gelu),
+        "swiglu": lambda: torch.nn.Sequential(SwiGLUMLP(dim, 2 * dim), SwiGLUMLP(dim, 2 * dim)),
     }
 
 
@@ -62,7 +72,7 @@ def _run(model, x, *, executors=None, emulate=None):
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=str)
-@pytest.mark.parametrize("case", ["seed", "bias", "lora", "shared", "checkpoint", "gelu"])
+@pytest.mark.parametrize("case", ["seed", "bias", "lora", "shared", "checkpoint", "gelu", "swiglu"])
 @pytest.mark.parametrize("shape", ["2d", "3d"])
 def test_matches_eager_emulation_and_tracks_float32(recipe, case, shape):
     dim = 128 if recipe == "block" else 64
@@ -228,7 +238,7 @@ def test_folding_gelus_changes_no_gradient(fusers, dtype):
     x = torch.randn(32, 64, dtype=dtype)
 
     def run(m, skip=()):
-        ex = make_te_v2(backend="reference", claim=CLAIM_ALL, skip_passes=["gelu_handback", *skip])
+        ex = make_te_v2(backend="reference", claim=CLAIM_ALL, skip_passes=["activation_handback", *skip])
         jitted = thunder.jit(m, executors=[ex, *fusers])
         xx = x.detach().clone().requires_grad_()
         y, h = jitted(xx)

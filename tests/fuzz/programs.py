@@ -340,6 +340,7 @@ class Weights:
     add: float = 1.5
     scale: float = 1.0
     gelu: float = 1.0
+    swiglu: float = 1.0  # F.silu(a) * b, or F.silu(a) alone
     relu: float = 0.3
     cast: float = 0.8
     view: float = 1.0
@@ -584,6 +585,18 @@ class _Builder:
             self._emit(Op("gelu", "{out} = F.gelu({0})", (v,), out))
         return True
 
+    def swiglu(self) -> bool:
+        a = self._pick()
+        if a is None:
+            return False
+        b = self._pick(lambda n, m: m == self.meta[a] and n != a) if self._chance(0.8) else None
+        out = self._value(self.meta[a])
+        if b is None:
+            self._emit(Op("silu", "{out} = F.silu({0})", (a,), out))
+        else:
+            self._emit(Op("swiglu", "{out} = F.silu({0}) * {1}", (a, b), out))
+        return True
+
     def relu(self) -> bool:
         v = self._pick()
         if v is None:
@@ -745,6 +758,7 @@ class _Builder:
             "add",
             "scale",
             "gelu",
+            "swiglu",
             "relu",
             "cast",
             "view",

@@ -19,11 +19,12 @@ def _fresh_te_global_state():
 
 
 @pytest.fixture(autouse=True)
-def _fold_every_gelu(monkeypatch, request):
-    """The GPU tests' models are small; fold their GELUs anyway, so that the fused kernel is what
-    their parity checks check (a test of the size rule itself opts out with ``real_fold_size``)."""
+def _fold_every_activation(monkeypatch, request):
+    """The GPU tests' models are small; fold their GELUs and SwiGLUs anyway, so that the fused
+    kernel is what their parity checks check (a test of the size rule itself opts out with
+    ``real_fold_size``)."""
     if backends.te_available() and "real_fold_size" not in request.keywords:
         from te_v2_executor.backends import te as kernels
 
-        monkeypatch.setattr(kernels, "GELU_FOLD_MIN_ELEMENTS", 0)
+        monkeypatch.setattr(kernels, "FOLD_MIN_ELEMENTS", 0)
     yield

@@ -108,13 +108,15 @@ def test_odd_shapes_and_layouts_match_pytorch_whichever_executor_runs_them(b, h,
 
 def test_a_learned_additive_mask_gets_its_gradient():
     """An additive mask computed from a trained tensor (a learned position bias) has a gradient,
-    which te_v2's attention does not compute: such a mask is left to Thunder's SDPA executor."""
+    which te_v2's attention does not compute: such a mask is left to Thunder's SDPA executor.
+    The mask is expanded to the batch: Thunder 0.2.6's SDPA executor refuses a mask that requires
+    grad and broadcasts over it (usage.md, troubleshooting)."""
     inputs = _inputs()
     bias = torch.randn(1, H, S, S, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     grad = torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16)
 
     def attend(q, k, v, bias):
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias * 0.5)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=(bias * 0.5).expand(B, -1, -1, -1))
 
     grads = []
     for fn in (thunder.jit(attend, executors=executors()), attend):

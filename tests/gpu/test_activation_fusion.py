@@ -1,30 +1,32 @@
-"""te_v2's GELU-and-cast kernel on TransformerEngine: against PyTorch's GELU followed by TE's
-own cast, and which kernels a step of a GELU model runs. (Parity of GELU models with te.Linear
-eager, delayed-scaling state included, is in test_state_sync and test_te_parity.)"""
+"""te_v2's activation-and-cast kernel on TransformerEngine: against PyTorch's GELU, SwiGLU and
+their gradients followed by TE's own cast, and which kernels a step of a GELU or SwiGLU model
+runs. (Parity of GELU models with te.Linear eager, delayed-scaling state included, is in
+test_state_sync and test_te_parity; of SwiGLU models here.)"""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from te_v2_executor.symbols import LINEAR_FWD
+from te_v2_executor.symbols import LINEAR_FWD, arg
 from tests.gpu.common import (
     DTYPE,
     FP8_TOLS,
     jit_te_v2,
     requires_te_gpu,
     te_linear,
+    te_v2_states,
     torch_linear,
     train_step,
     train_step_kernels,
 )
 from tests.helpers import bsyms_of, forward_trace
-from tests.models import Stack, copy_weights, grads
+from tests.models import Stack, SwiGLUMLP, copy_weights, grads
 
 pytestmark = requires_te_gpu
 
 SHAPE = (528, 1040)  # multiples of 16 (TE's cast), not of the kernel's 64-wide tiles
-FUSED_KERNEL = "_gelu_cast_transpose_kernel"
+FUSED_KERNEL = "_activation_cast_transpose_kernel"
 
 
 def _te_cast(h: torch.Tensor, fp8_dtype: torch.dtype, scale: float, *, columnwise: bool):
@@ -57,27 +59,50 @@ def _assert_same_fp8(ours: torch.Tensor, theirs: torch.Tensor, what: str):
     assert differ < 1e-2, f"{what}: {differ:.2%} of the FP8 codes differ"
 
 
+def _eager(kind, x: torch.Tensor, up: torch.Tensor | None, grad: torch.Tensor | None) -> torch.Tensor:
+    """What PyTorch computes for ``kind``: its GELU kernels, or SwiGLU's forward and autograd's
+    gradients of silu(x) * up (x the gate)."""
+    from te_v2_executor.backends.activation_quantize import Kind
+
+    if kind is Kind.GELU:
+        return torch.nn.functional.gelu(x)
+    if kind is Kind.GELU_GRAD:
+        return torch.ops.aten.gelu_backward(grad, x)
+    up = up if up is not None else torch.randn_like(x)  # up's gradient does not depend on it
+    gate, up = x.detach().requires_grad_(), up.detach().requires_grad_()
+    h = torch.nn.functional.silu(gate) * up
+    if kind is Kind.SWIGLU:
+        return h.detach()
+    h.backward(grad)
+    return (up.grad if kind is Kind.SWIGLU_GRAD_UP else gate.grad).detach()
+
+
 @pytest.mark.parametrize("usage", ["both", "columnwise", "rowwise"])
 @pytest.mark.parametrize("fp8_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=str)
-@pytest.mark.parametrize("backward", [False, True], ids=["gelu", "gelu-backward"])
-def test_kernel_matches_pytorch_gelu_then_te_cast(backward, fp8_dtype, usage):
-    from te_v2_executor.backends.gelu_quantize import gelu_cast_transpose
+@pytest.mark.parametrize("kind", ["GELU", "GELU_GRAD", "SWIGLU", "SWIGLU_GRAD_UP", "SWIGLU_GRAD_GATE"])
+def test_kernel_matches_pytorch_then_te_cast(kind, fp8_dtype, usage):
+    from te_v2_executor.backends.activation_quantize import _OPERANDS, Kind, activation_cast_transpose
 
+    kind = Kind[kind]
+    wants_up, wants_grad = _OPERANDS[kind]
     dtype = torch.bfloat16
     torch.manual_seed(0)
     x = (3 * torch.randn(SHAPE, device="cuda")).to(dtype)
-    grad = torch.randn(SHAPE, device="cuda").to(dtype) if backward else None
-    h = torch.ops.aten.gelu_backward(grad, x) if backward else torch.nn.functional.gelu(x)
+    up = (3 * torch.randn(SHAPE, device="cuda")).to(dtype) if wants_up else None
+    grad = torch.randn(SHAPE, device="cuda").to(dtype) if wants_grad else None
+    h = _eager(kind, x, up, grad)
     scale = 64.0  # large enough that some e4m3 values saturate at 448
     row_te, col_te, scale_inv_te, amax_te = _te_cast(h, fp8_dtype, scale, columnwise=True)
 
     amax = torch.full((1,), 0.5, device="cuda")  # raised, as a history slot already written to
-    row, col, scale_inv = gelu_cast_transpose(
+    row, col, scale_inv = activation_cast_transpose(
+        kind,
         x,
-        grad,
         torch.tensor([scale], device="cuda"),
         amax,
         fp8_dtype,
+        up=up,
+        grad=grad,
         rowwise=usage != "columnwise",
         columnwise=usage != "rowwise",
     )
@@ -90,7 +115,7 @@ def test_kernel_matches_pytorch_gelu_then_te_cast(backward, fp8_dtype, usage):
     torch.testing.assert_close(
         amax, torch.maximum(amax_te, torch.tensor(0.5, device="cuda")), rtol=2**-7, atol=0
     )
-    if fp8_dtype == torch.float8_e4m3fn and not backward:
+    if fp8_dtype == torch.float8_e4m3fn and kind in (Kind.GELU, Kind.SWIGLU):
         assert (row_te.view(fp8_dtype).float().abs() == 448).any(), (
             "nothing saturated: the clamp went untested"
         )
@@ -98,14 +123,14 @@ def test_kernel_matches_pytorch_gelu_then_te_cast(backward, fp8_dtype, usage):
 
 def test_nan_stays_nan_as_in_te_cast():
     """A NaN activation must stay NaN in FP8 (a clamp that drops NaN would hide a diverging run)."""
-    from te_v2_executor.backends.gelu_quantize import gelu_cast_transpose
+    from te_v2_executor.backends.activation_quantize import Kind, activation_cast_transpose
 
     x = torch.randn(SHAPE, device="cuda", dtype=torch.bfloat16)
     x[3, 5] = float("nan")
     row_te, col_te, _, _ = _te_cast(torch.nn.functional.gelu(x), torch.float8_e4m3fn, 1.0, columnwise=True)
     one = torch.ones(1, device="cuda")
-    row, col, _ = gelu_cast_transpose(
-        x, None, one, one.clone(), torch.float8_e4m3fn, rowwise=True, columnwise=True
+    row, col, _ = activation_cast_transpose(
+        Kind.GELU, x, one, one.clone(), torch.float8_e4m3fn, rowwise=True, columnwise=True
     )
     assert torch.isnan(row.view(torch.float8_e4m3fn)[3, 5].float())
     assert torch.isnan(col.view(torch.float8_e4m3fn)[5, 3].float())
@@ -115,12 +140,14 @@ def test_nan_stays_nan_as_in_te_cast():
 def test_the_kernel_refuses_float32():
     """Seen on an H200: float32 tiles stored both row-wise and transposed came out wrong (a
     quarter of the transposed codes), so the kernel takes bfloat16 only."""
-    from te_v2_executor.backends.gelu_quantize import gelu_cast_transpose
+    from te_v2_executor.backends.activation_quantize import Kind, activation_cast_transpose
 
     x = torch.randn(SHAPE, device="cuda")
     one = torch.ones(1, device="cuda")
     with pytest.raises(ValueError, match="bfloat16 only"):
-        gelu_cast_transpose(x, None, one, one.clone(), torch.float8_e4m3fn, rowwise=True, columnwise=True)
+        activation_cast_transpose(
+            Kind.GELU, x, one, one.clone(), torch.float8_e4m3fn, rowwise=True, columnwise=True
+        )
 
 
 def test_a_float32_gelu_model_falls_back_to_pytorch_gelu_and_matches_te_linear():
@@ -167,13 +194,13 @@ def test_a_gelu_model_step_runs_the_fused_kernel_and_no_other_gelu():
 @pytest.mark.real_fold_size
 @pytest.mark.parametrize(("tokens", "width", "folds"), [(512, 1024, False), (4096, 16384, True)])
 def test_only_gelus_large_enough_run_the_fused_kernel(tokens, width, folds):
-    """The size rule (``kernels.GELU_FOLD_MIN_ELEMENTS``, 2**26 elements): a smaller GELU runs
+    """The size rule (``kernels.FOLD_MIN_ELEMENTS``, 2**26 elements): a smaller GELU runs
     PyTorch's GELU kernels and TE's cast, whose launches cost the host less; 4096 x 16384 folds."""
     from transformer_engine.common.recipe import DelayedScaling
 
     from te_v2_executor.backends import te as kernels
 
-    assert (tokens * width >= kernels.GELU_FOLD_MIN_ELEMENTS) is folds
+    assert (tokens * width >= kernels.FOLD_MIN_ELEMENTS) is folds
     model = Stack([1024, width, 1024], act=torch.nn.functional.gelu, factory=torch_linear)
     x = torch.randn(tokens, 1024, device="cuda", dtype=DTYPE)
     jitted = jit_te_v2(model)
@@ -182,3 +209,44 @@ def test_only_gelus_large_enough_run_the_fused_kernel(tokens, width, folds):
     assert sum(FUSED_KERNEL in n for n in names) == (2 if folds else 0)
     pytorch_gelus = [n for n in names if "gelu" in n.lower() and FUSED_KERNEL not in n]
     assert len(pytorch_gelus) == (0 if folds else 2), pytorch_gelus
+
+
+def _swiglu_mlps(factory) -> torch.nn.Module:
+    return torch.nn.Sequential(*(SwiGLUMLP(256, 512, factory=factory) for _ in range(2)))
+
+
+def test_a_swiglu_model_matches_te_linear_and_runs_the_fused_kernel_and_no_other_silu():
+    """Two Llama MLPs: each SwiGLU is computed inside down's cast, its gradients inside gate's and
+    up's, three fused kernels per MLP and step, no SiLU or multiply of PyTorch's; output and every
+    gradient as te.Linear eager's, and the same delayed-scaling histories."""
+    from transformer_engine.common.recipe import DelayedScaling
+
+    model = _swiglu_mlps(te_linear)
+    twin = copy_weights(_swiglu_mlps(torch_linear), model)
+    x = torch.randn(512, 256, device="cuda", dtype=DTYPE, requires_grad=True)
+    y_te = train_step(model, x, DelayedScaling())
+    dx_te, x.grad = x.grad, None
+    jitted = jit_te_v2(twin)
+    y = train_step(jitted, x, DelayedScaling())
+    assert [arg(b, "up") is not None for b in bsyms_of(forward_trace(jitted), LINEAR_FWD)] == [
+        False,
+        False,
+        True,
+    ] * 2
+    torch.testing.assert_close(y, y_te, **FP8_TOLS)
+    torch.testing.assert_close(x.grad, dx_te, **FP8_TOLS)
+    for name, grad in grads(twin).items():
+        torch.testing.assert_close(grad, grads(model)[name], **FP8_TOLS, msg=name)
+    for (fwd, bwd), linear in zip(te_v2_states(jitted), _te_linears(model), strict=True):
+        meta_fwd, meta_bwd = linear.fp8_meta["scaling_fwd"], linear.fp8_meta["scaling_bwd"]
+        torch.testing.assert_close(fwd.amax_history[:, :2], meta_fwd.amax_history[:, :2], rtol=2**-7, atol=0)
+        torch.testing.assert_close(bwd.amax_history[:, :1], meta_bwd.amax_history[:, :1], rtol=2**-7, atol=0)
+    names = train_step_kernels(jitted, x, DelayedScaling())
+    assert sum(FUSED_KERNEL in n for n in names) == 3 * 2
+    others = [n for n in names if ("silu" in n.lower() or "MulFunctor" in n) and FUSED_KERNEL not in n]
+    assert others == [], others
+
+
+def _te_linears(model: torch.nn.Module) -> list:
+    """The te.Linear modules of ``model`` in the order its forward calls them (gate, up, down)."""
+    return [m for mlp in model for m in (mlp.gate, mlp.up, mlp.down)]
