@@ -95,12 +95,14 @@ def _made_in_forward(p: TensorProxy, producers: Any) -> bool:
 def _fold(chain: list[BoundSymbol], reader: BoundSymbol, replacement: BoundSymbol, consumers: Any) -> Fold:
     """The fold of ``chain`` (its ops ordered from the one ``reader`` reads back) into
     ``replacement``: it absorbs the ops nothing outside the chain reads, and takes over the reads
-    of the others, which stay for their other readers."""
+    of the others, which stay for their other readers, the replacement among them (a SiLU times
+    itself reads the SiLU's output as up)."""
+    read = {p.name for p in replacement.flat_proxy_args if isinstance(p, TensorProxy)}
     inside = {id(reader)}
     absorbed = []
     for bsym in chain:
         readers = [r for out in bsym.flat_proxy_outs for r in consumers.get(out, [])]
-        if all(id(r) in inside for r in readers):
+        if all(id(r) in inside for r in readers) and not any(o.name in read for o in bsym.flat_proxy_outs):
             absorbed.append(bsym)
             inside.add(id(bsym))
     return tuple(absorbed), replacement, tuple(b for b in chain if id(b) not in inside)

@@ -114,3 +114,46 @@ def test_no_fold_reads_past_an_in_place_write():
     assert not any(_folds(jitted)[0])
     unfolded = _compiled(copy.deepcopy(model), skip=("swiglus",))
     assert torch.equal(y, unfolded(x))
+
+
+class _SquaredSiLU(torch.nn.Module):
+    """silu(g) * silu(g), one SiLU read twice, optionally under activation checkpointing."""
+
+    def __init__(self, checkpointed: bool) -> None:
+        super().__init__()
+        self.gate = torch.nn.Linear(DIM, HIDDEN, bias=False)
+        self.down = torch.nn.Linear(HIDDEN, DIM, bias=False)
+        self.checkpointed = checkpointed
+
+    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
+        a = torch.nn.functional.silu(self.gate(x))
+        return self.down(a * a)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.checkpointed:
+            return torch.utils.checkpoint.checkpoint(self._mlp, x, use_reentrant=False)
+        return self._mlp(x)
+
+
+@pytest.mark.parametrize(
+    ("checkpointed", "grad"), [(False, False), (True, True)], ids=["inference", "checkpointed"]
+)
+def test_a_silu_times_itself_keeps_the_silu_the_fold_reads(checkpointed, grad):
+    """The folded forward reads the SiLU's output as up: the SiLU stays, though nothing else in the
+    trace reads it (inference; a checkpoint, whose backward recomputes its own). Found by review:
+    the SiLU was absorbed and the trace read an undefined name."""
+    model = _SquaredSiLU(checkpointed).to(torch.bfloat16)
+    x = torch.randn(TOKENS, DIM, dtype=torch.bfloat16)
+    results = []
+    for skip in ((), ("swiglus",)):
+        m = copy.deepcopy(model)
+        jitted = _compiled(m, skip=skip)
+        with torch.set_grad_enabled(grad):
+            y = jitted(x)
+            if grad:
+                y.float().sum().backward()
+        results.append([y, *(p.grad for p in m.parameters() if grad)])
+        if not skip:
+            assert _folds(jitted)[0] == [False, True]
+    for a, b in zip(*results, strict=True):
+        assert torch.equal(a, b)

@@ -591,7 +591,9 @@ class _Builder:
             return False
         b = self._pick(lambda n, m: m == self.meta[a] and n != a) if self._chance(0.8) else None
         out = self._value(self.meta[a])
-        if b is None:
+        if b is None and self._chance(0.2):
+            self._emit(Op("silu_squared", "{out} = F.silu({0}) * F.silu({0})", (a,), out))
+        elif b is None:
             self._emit(Op("silu", "{out} = F.silu({0})", (a,), out))
         else:
             self._emit(Op("swiglu", "{out} = F.silu({0}) * {1}", (a, b), out))
