@@ -471,3 +471,22 @@ def test_gelus_te_v2_does_not_take_stay_with_thunder(approximate, claim):
     assert not bsyms_of(forward_trace(jitted), GELU)
     assert not any(b.kwargs["gelu"] for b in bsyms_of(forward_trace(jitted), LINEAR_FWD))
     assert not bsyms_of(backward_trace(jitted), GELU_BACKWARD)
+
+
+def test_a_gelu_mlp_with_biases_leaves_no_op_to_a_fuser(reference_te_v2):
+    """Linear -> GELU -> Linear with biases (issue 17 saw no nvFusion region for it): the GELU folds
+    into the second linear's cast, its backward into the first's dy quantization, each bias grad
+    into a dy quantization, so a fusion executor after te_v2 gets no op, whichever it is."""
+    model = Stack([DIM, 4 * DIM, DIM], bias=True, act=torch.nn.functional.gelu)
+    jitted = _step(model, [reference_te_v2, torch_compile_ex], torch.randn(TOKENS, DIM, requires_grad=True))
+    bookkeeping = {
+        "python_del",
+        "python_return",
+        "unpack_trivial",
+        "unpack_sequence",
+        "clear_mutable_collection",
+    }
+    for trace in (forward_trace(jitted), backward_trace(jitted)):
+        left = {b.sym.name for b in trace.bound_symbols} - bookkeeping
+        assert all(name.startswith("te_v2_") for name in left), left
+    assert sum(arg(b, "bgrad") for b in bsyms_of(backward_trace(jitted), QUANTIZE_GRAD_OUTPUT)) == 2
