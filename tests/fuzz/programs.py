@@ -760,12 +760,12 @@ class _Builder:
             "add",
             "scale",
             "gelu",
-            "swiglu",
             "relu",
             "cast",
             "view",
             "checkpoint",
             "no_grad",
+            "swiglu",  # last: with its weight 0, seeds make the programs they made before it
         ]
         weights = [getattr(w, k) for k in kinds]
         target = self.rng.randint(3, 12)
