@@ -22,6 +22,7 @@ from thunder.extend import FusionExecutor
 from te_v2_executor.passes import (
     casts,
     consumption,
+    dead_writes,
     gelu,
     handback,
     recasts,
@@ -80,6 +81,15 @@ PIPELINE: tuple[Pass, ...] = (
         "a backward that reads a tensor after an in-place write into it raises",
         "before any pass moves a read: it judges the reads the user's program makes",
         "the trace is Thunder's own, with its in-place writes functionalized into copies",
+    ),
+    Pass(
+        "dead_writes",
+        lambda trace, context: dead_writes.drop_dead_writes(trace),
+        "an in-place write into a te_v2 GEMM's output that nothing reads afterwards is dropped, with "
+        "the work only it read",
+        "after stale_reads, which judges the program as written; before consumption, which then "
+        "sees no reader of a dead GEMM",
+        "writes into existing storage are explicit (copy_, update_aliases), as Writes reads them",
     ),
     Pass(
         "consumption",

@@ -173,6 +173,11 @@ class Writes:
         """The index of ``bsym`` in the trace."""
         return self._position[id(bsym)]
 
+    def storage_tensors(self, p: TensorProxy) -> list[TensorProxy]:
+        """Every tensor of the trace that may share ``p``'s storage, ``p`` included."""
+        root = self._root(p.name)
+        return [t for b in self.bound_symbols for t in _tensors(b.flat_outs) if self._root(t.name) == root]
+
     def same_storage(self, a: TensorProxy, b: TensorProxy) -> bool:
         """Whether ``a`` and ``b`` may share storage (one is, or may be, a view of the other)."""
         return self._root(a.name) == self._root(b.name)

@@ -13,7 +13,7 @@ from thunder.dynamo import thunderfx
 from thunder.executors.torch_compile import torch_compile_ex
 from torch import nn
 
-from te_v2_executor import ClaimPolicy, TEv2FallbackWarning, explain, make_te_v2
+from te_v2_executor import ClaimPolicy, TEv2FallbackWarning, current_scaling, explain, make_te_v2
 from te_v2_executor.symbols import UNQUANTIZED_FWD, arg
 from tests.helpers import CLAIM_ALL, assert_like_eager, bsyms_of, forward_trace
 from tests.models import (
@@ -136,3 +136,31 @@ def test_a_dunder_method_writes_only_when_it_is_an_in_place_one(name, writes):
         out = TensorProxy(like=t)
     bsym = Symbol(name=name, meta=None).bind(t, 0, output=out)
     assert (written_tensor(bsym) is t) is writes
+
+
+class _DeadWriteIntoOutput(torch.nn.Module):
+    """Frozen linears, one output written in place with another's and never read again (fuzzer
+    seed 5, program 0, with torch.compile): the program returns its input's view."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l0 = torch.nn.Linear(64, 16, bias=False)
+        self.l1 = torch.nn.Linear(64, 32, bias=False)
+        self.l2 = torch.nn.Linear(32, 16, bias=False)
+        self.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        v = x.view(2, 16, 64)
+        y = self.l2(self.l1(v))
+        y.add_(self.l0(v))
+        return v
+
+
+def test_a_dead_write_into_a_linear_output_is_dropped_under_dataflow_fusion():
+    """Thunder's dataflow fusion put the dead GEMMs and the write after the trace's return, which
+    Thunder refused (an AssertionError in unwrap_return_value); te_v2 drops the write and what
+    only it read."""
+    te_v2 = make_te_v2(backend="reference", recipe=current_scaling(), claim=ClaimPolicy(min_features=32))
+    jitted = thunder.jit(_DeadWriteIntoOutput(), executors=[te_v2, torch_compile_ex], fusion_type="dataflow")
+    x = torch.randn(32, 64)
+    assert torch.equal(jitted(x), x.view(2, 16, 64))
