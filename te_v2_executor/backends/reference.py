@@ -178,8 +178,8 @@ def linear_fwd(
 
     ``compute_output`` False (a recomputed forward whose y nobody reads) only quantizes; x is
     not read unless y or its copy is wanted. ``gelu`` or ``up``: the GEMM's input is
-    ``activation_input`` of x, as PyTorch's eager kernels round it. ``x_q``: x already quantized row-wise by
-    ``quantize_input``, which the GEMM reads instead of casting x.
+    ``activation_input`` of x, as PyTorch's eager kernels round it. ``x_q``: x already quantized
+    row-wise by ``quantize_input``, which the GEMM reads instead of casting x.
     """
     xq = x_q
     if x_q is None and (compute_output or save_input):

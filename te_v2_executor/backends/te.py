@@ -148,12 +148,12 @@ def _keep_columnwise_only(q: Any) -> Any:
 FOLD_MIN_ELEMENTS = 1 << 26
 
 
-def _foldable(quantizer: Any, *operands: torch.Tensor) -> bool:
+def _foldable(quantizer: Any, a: torch.Tensor, *others: torch.Tensor | None) -> bool:
     """Per-tensor delayed scaling, whose scale is known before the values so that one pass can
-    cast, of bfloat16 operands (the only dtype the kernel is validated for) large enough to gain
-    from it, on a GPU whose FP8 GEMMs read transposed copies (Hopper; newer ones read the
-    row-wise data only)."""
-    a = operands[0]
+    cast, of bfloat16 operands (``a`` and those of ``others`` given, the only dtype the kernel is
+    validated for) of one shape, large enough to gain from it, on a GPU whose FP8 GEMMs read
+    transposed copies (Hopper; newer ones read the row-wise data only)."""
+    operands = [a, *(t for t in others if t is not None)]
     return (
         isinstance(quantizer, Float8Quantizer)
         and all(t.dtype == torch.bfloat16 and t.shape == a.shape for t in operands)
@@ -213,8 +213,9 @@ def linear_fwd(
 
     ``compute_output`` False (a recomputed forward whose y nobody reads) only quantizes; x is
     not read unless y or its copy is wanted. ``gelu`` or ``up``: the GEMM's input is gelu(x)
-    or SwiGLU's silu(x) * up, computed within the quantization where the recipe allows. ``x_q``: x already quantized row-wise by
-    ``quantize_input``, which the GEMM reads instead of casting x.
+    or SwiGLU's silu(x) * up, computed within the quantization where the recipe allows.
+    ``x_q``: x already quantized row-wise by ``quantize_input``, which the GEMM reads instead of
+    casting x.
     """
     input_quantizer, weight_quantizer = scaling.quantizers
     xq = x_q
@@ -222,7 +223,7 @@ def linear_fwd(
         x2d = as_matrix(x)
         up2d = as_matrix(up) if up is not None else None
         kind = Kind.GELU if gelu else Kind.SWIGLU if up is not None else None
-        if kind is not None and _foldable(input_quantizer, x2d, *([up2d] if up2d is not None else [])):
+        if kind is not None and _foldable(input_quantizer, x2d, up2d):
             xq = _fold_quantize(
                 kind,
                 x2d,
@@ -296,22 +297,14 @@ def quantize_grad_output(
     recipe allows."""
     dy2d = as_matrix(dy)
     (quantizer,) = scaling.quantizers
-    operands = {"gelu_input": gelu_input, "swiglu_gate": swiglu_gate, "swiglu_up": swiglu_up}
-    if any(t is not None for t in operands.values()):
+    if gelu_input is not None or swiglu_gate is not None:
         x = as_matrix(gelu_input if gelu_input is not None else swiglu_gate)
         up = as_matrix(swiglu_up) if swiglu_up is not None else None
-        kind = (
-            Kind.GELU_GRAD
-            if gelu_input is not None
-            else Kind.SWIGLU_GRAD_GATE
-            if up is not None
-            else Kind.SWIGLU_GRAD_UP
-        )
-        if (
-            (rowwise or columnwise)
-            and not bgrad
-            and _foldable(quantizer, dy2d, x, *([up] if up is not None else []))
-        ):
+        if (rowwise or columnwise) and not bgrad and _foldable(quantizer, dy2d, x, up):
+            if gelu_input is not None:
+                kind = Kind.GELU_GRAD
+            else:
+                kind = Kind.SWIGLU_GRAD_GATE if up is not None else Kind.SWIGLU_GRAD_UP
             dy_q = _fold_quantize(
                 kind,
                 x,
@@ -324,7 +317,7 @@ def quantize_grad_output(
                 forward=False,
             )
             return dy_q, None
-        dy2d = activation_grad(dy2d, **operands)
+        dy2d = activation_grad(dy2d, gelu_input=gelu_input, swiglu_gate=swiglu_gate, swiglu_up=swiglu_up)
     if not (rowwise or columnwise):
         return None, dy2d.sum(0)
     quantizer.set_usage(rowwise=True, columnwise=columnwise)

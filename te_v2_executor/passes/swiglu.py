@@ -22,10 +22,10 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from thunder.core import utils
 from thunder.core.proxies import TensorProxy
 from thunder.core.symbol import BoundSymbol
 from thunder.core.trace import TraceCtx
+from thunder.core.transform_common import dce
 
 from te_v2_executor.passes._trace import (
     Fold,
@@ -34,7 +34,6 @@ from te_v2_executor.passes._trace import (
     fold,
     is_cast,
     read_only_by,
-    with_bound_symbols,
 )
 from te_v2_executor.symbols import (
     LINEAR_FWD,
@@ -148,29 +147,14 @@ def _forward_folded(bsym: BoundSymbol, producers: Any, consumers: Any) -> Iterat
         yield _fold(chain, bsym, with_args(bsym, x=g, up=u), consumers)
 
 
-_PURE = {"convert_element_type", "mul"}
-
-
-def _without_dead_ops(trace: TraceCtx) -> TraceCtx:
-    """``trace`` less the casts, multiplies and SiLUs whose outputs nothing reads any more: what a
-    fold left of an op it shared with another, such as dy's widening that both SwiGLU gradients
-    read."""
-    bsyms = list(trace.bound_symbols)
-    while True:
-        consumers = utils.consumers(bsyms)
-        dead = {
-            id(b)
-            for b in bsyms
-            if (b.sym is SILU or b.sym.name in _PURE)
-            and not any(consumers.get(o, None) for o in b.flat_proxy_outs)
-        }
-        if not dead:
-            return with_bound_symbols(trace, bsyms)
-        bsyms = [b for b in bsyms if id(b) not in dead]
+def _folded(trace: TraceCtx, folds: Any) -> TraceCtx:
+    """``fold(trace, folds)``, less what the folds left dead: an op an absorbed one shared with
+    another fold, such as dy's widening that both SwiGLU gradients read."""
+    folded = fold(trace, folds)
+    return folded if folded is trace else dce(folded)
 
 
 def fuse_swiglus(trace: TraceCtx) -> TraceCtx:
     """Fold each SwiGLU's backward into the quantizations of its operands' gradients, then each
     SwiGLU into the quantization of the te_v2 forward that reads it (see the module docstring)."""
-    trace = _without_dead_ops(fold(trace, _grad_folded))
-    return _without_dead_ops(fold(trace, _forward_folded))
+    return _folded(_folded(trace, _grad_folded), _forward_folded)
