@@ -134,18 +134,18 @@ def _te_v2_thunder_defaults() -> list:
 
 
 def _nvfuser_after(te_v2_first: bool) -> Callable[[], list]:
-    """Thunder's SDPA executor then nvFuser, after te_v2 if ``te_v2_first`` (an error where
-    nvFuser is not installed)."""
+    """The default list with nvFuser in place of Thunder's torch.compile executor, without te_v2
+    unless ``te_v2_first`` (an error where nvFuser is not installed)."""
 
     def listing() -> list:
         from thunder.executors.nvfuserex import nvfuserex
-        from thunder.executors.sdpaex import sdpa_ex
 
-        from te_v2_executor import te_v2
+        from te_v2_executor import executors
 
         if nvfuserex is None:
             raise RuntimeError("nvFuser is not installed")
-        return [te_v2, sdpa_ex, nvfuserex] if te_v2_first else [sdpa_ex, nvfuserex]
+        te_v2, *attention, _ = executors()
+        return [te_v2, *attention, nvfuserex] if te_v2_first else [*attention, nvfuserex]
 
     return listing
 

@@ -19,6 +19,29 @@ from te_v2_executor.recipes import RecipeSpec
 # runs claim every linear TE can run, and the policy has tests of its own.
 CLAIM_ALL = ClaimPolicy(min_features=0)
 
+# The fusion executors a user lists after te_v2: none, Thunder's torch.compile executor, nvFuser.
+FUSERS = ("none", "torch.compile", "nvfuser")
+
+
+def fusers_named(name: str) -> list:
+    """The executors to list after te_v2 for ``name``, one of ``FUSERS``; an nvFuser case skips,
+    with the reason, where nvFuser is not installed."""
+    if name == "torch.compile":
+        from thunder.executors.torch_compile import torch_compile_ex
+
+        return [torch_compile_ex]
+    if name == "nvfuser":
+        import pytest
+        from thunder.executors.nvfuserex import nvfuserex
+
+        if nvfuserex is None:
+            pytest.skip(
+                "nvFuser is not installed (its CUDA 13 wheels need torch 2.10; the GPU kit's shim loads it)"
+            )
+        return [nvfuserex]
+    assert name == "none", name
+    return []
+
 
 def bsyms_of(trace: thunder.core.trace.TraceCtx | None, sym) -> list:
     """Top-level bound symbols of ``trace`` calling ``sym`` (by identity); none for no trace."""
@@ -34,6 +57,27 @@ def forward_trace(jitted) -> thunder.core.trace.TraceCtx:
 def backward_trace(jitted) -> thunder.core.trace.TraceCtx | None:
     traces = thunder.last_backward_traces(jitted)
     return traces[-1] if traces else None
+
+
+def assert_one_sync_per_pass_after_linear_work(jitted, n: int) -> None:
+    """The traces ``jitted`` ran last hold one forward flush of ``n`` linears' states, after every
+    te_v2 forward, and one backward flush of them, the backward's last work."""
+    from thunder.core import prims
+
+    from te_v2_executor.symbols import BACKWARD_SYNC, FORWARD_SYNC, LINEAR_FWD
+
+    def work(trace) -> list:
+        return [b for b in trace.bound_symbols if b.sym not in (prims.python_del, prims.python_return)]
+
+    fwd, bwd = forward_trace(jitted), backward_trace(jitted)
+    (fsync,) = bsyms_of(fwd, FORWARD_SYNC)
+    forward_work = work(fwd)
+    assert all(forward_work.index(b) < forward_work.index(fsync) for b in bsyms_of(fwd, LINEAR_FWD))
+    assert len(fsync.kwargs["group"].states) == n
+    (bsync,) = bsyms_of(bwd, BACKWARD_SYNC)
+    assert work(bwd)[-1] is bsync
+    assert len(bsync.kwargs["group"].states) == n
+    assert not bsyms_of(fwd, BACKWARD_SYNC) and not bsyms_of(bwd, FORWARD_SYNC)
 
 
 def sqnr_db(actual: torch.Tensor, expected: torch.Tensor) -> float:

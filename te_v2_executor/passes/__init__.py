@@ -85,8 +85,8 @@ PIPELINE: tuple[Pass, ...] = (
     Pass(
         "dead_writes",
         lambda trace, context: dead_writes.drop_dead_writes(trace),
-        "an in-place write into a te_v2 GEMM's output that nothing reads afterwards is dropped, with "
-        "the work only it read",
+        "an in-place write into storage the trace made (no input's) that nothing reads afterwards is "
+        "dropped, with the work only it read",
         "after stale_reads, which judges the program as written; before consumption, which then "
         "sees no reader of a dead GEMM",
         "writes into existing storage are explicit (copy_, update_aliases), as Writes reads them",

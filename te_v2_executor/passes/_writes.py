@@ -25,6 +25,7 @@ from typing import Any
 import thunder.torch as ltorch
 from thunder.core import dtypes, prims
 from thunder.core.proxies import TensorProxy
+from thunder.core.pytree import tree_flatten
 from thunder.core.symbol import BoundSymbol
 from thunder.core.trace import TraceCtx
 from thunder.executors import torchex
@@ -148,7 +149,10 @@ class Writes:
         self._position = {id(b): i for i, b in enumerate(self.bound_symbols)}
         self._defined: dict[str, int] = {}
         self._parent: dict[str, str] = {}
+        self._inputs = {t.name for t in _tensors(tree_flatten((trace.args, trace.kwargs))[0])}
         for i, bsym in enumerate(self.bound_symbols):
+            if bsym.sym.name.startswith("unpack"):
+                self._inputs.update(t.name for t in _tensors(bsym.flat_outs))
             for out in _tensors(bsym.flat_outs):
                 self._defined.setdefault(out.name, i)
             for out, arg in _aliased_pairs(bsym):
@@ -218,11 +222,18 @@ class Writes:
             if any(a is p for a in b.flat_args)
         )
 
-    def origin(self, p: TensorProxy) -> BoundSymbol | None:
-        """The bound symbol that made ``p``'s storage (None for a trace input)."""
+    def made_here(self, p: TensorProxy) -> bool:
+        """Whether ``p``'s storage was made by a bound symbol of the trace: no tensor that may
+        share it is a trace input (an argument or what an unpack symbol gives)."""
         root = self._root(p.name)
-        made = [i for name, i in self._defined.items() if self._root(name) == root]
-        return self.bound_symbols[min(made)] if made else None
+        return not any(self._root(name) == root for name in self._inputs)
+
+    def origin(self, p: TensorProxy) -> BoundSymbol | None:
+        """The bound symbol that made ``p``'s storage; None where it is a trace input's."""
+        if not self.made_here(p):
+            return None
+        root = self._root(p.name)
+        return self.bound_symbols[min(i for name, i in self._defined.items() if self._root(name) == root)]
 
     def stale_reads(self) -> Iterator[StaleRead]:
         """Reads of a proxy after a later write into its storage: the reader sees values the proxy

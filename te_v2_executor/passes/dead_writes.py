@@ -1,14 +1,24 @@
-"""Pass ``dead_writes``: an in-place write into the output of a te_v2 GEMM that nothing reads
-afterwards is dropped, with the work only it read.
+"""Pass ``dead_writes``: an in-place write into storage the trace made, that nothing reads
+afterwards, is dropped, with the work only it read.
 
-``y = linear(x); y.mul_(0.5)`` with y never read again is a write no one can observe. Thunder
-keeps it (``copy_`` is never dead code to it), and where the GEMM is te_v2's, Thunder's dataflow
-fusion (thunderfx's) made a trace that ran the dead GEMM and the write after its return, which
-Thunder then refused (an AssertionError in ``unwrap_return_value`` or in
-``split_into_forward_and_backward``). The write is dropped only where its storage was made by a
-te_v2 GEMM (no input, parameter or view of one) and no bound symbol after it reads any tensor of
-that storage, the return included; Thunder's dead-code elimination then removes what only the
-write read.
+``v = x0 + x1; y = linear(v); v.add_(x1)`` with ``v`` never read again is a write no one can
+observe. Thunder keeps it (``copy_`` is never dead code to it), and once te_v2's symbols split the
+program into several fusion regions such a write broke two of Thunder's fusion passes:
+
+- Thunder's dataflow fusion (thunderfx's) put a dead te_v2 GEMM and the write into its output after
+  the trace's return, which Thunder then refused (an AssertionError in ``unwrap_return_value`` or
+  in ``split_into_forward_and_backward``).
+- The fusers' rematerialization (``thunder.core.rematerialization.rematerialize``) takes a region's
+  outputs that reach none of the next region's outputs to be recomputable there. A dead write's
+  operands are such values; it recomputed them in the region of the write, an earlier in-place
+  write included, so ``x1.mul_(0.5)`` halved ``x1`` twice, silently (fuzz ``--fuser torch.compile
+  --seed 2041`` program 33).
+
+A write into an input, a parameter or a returned tensor is read by the trace's return, so only
+writes into storage the trace made can be dead. A write is dropped where no tensor of its storage
+is a trace input and no bound symbol after it reads one, the return included; Thunder's dead-code
+elimination then removes what only the write read. te_v2's accumulating GEMMs are kept: their
+write is their result.
 """
 
 from __future__ import annotations
@@ -19,23 +29,26 @@ from thunder.core.transform_common import dce
 
 from te_v2_executor.passes._trace import with_bound_symbols
 from te_v2_executor.passes._writes import Writes, written_tensor
-from te_v2_executor.symbols import ACCUMULATE_ARG, LINEAR_DGRAD, LINEAR_FWD, LINEAR_WGRAD, UNQUANTIZED_SYMBOLS
-
-_GEMMS = (LINEAR_FWD, LINEAR_DGRAD, LINEAR_WGRAD, *UNQUANTIZED_SYMBOLS)
+from te_v2_executor.symbols import ACCUMULATE_ARG
 
 
 def drop_dead_writes(trace: TraceCtx) -> TraceCtx:
-    """``trace`` without the in-place writes into te_v2 GEMM outputs that nothing reads after them
-    (see the module docstring), and without what only those writes read."""
+    """``trace`` without the in-place writes into storage it made that nothing reads after them
+    (see the module docstring), and without what only those writes read; until none is left, as
+    dropping a write can leave the one before it dead (``v.add_(a); v.mul_(2)``)."""
+    while dead := _dead_writes(trace):
+        trace = dce(with_bound_symbols(trace, [b for b in trace.bound_symbols if id(b) not in dead]))
+    return trace
+
+
+def _dead_writes(trace: TraceCtx) -> set[int]:
+    """The ids of ``trace``'s writes into storage it made that no bound symbol after them reads."""
     writes = Writes(trace)
     consumers = utils.consumers(trace)
     dead = set()
     for bsym in trace.bound_symbols:
         target = written_tensor(bsym)
-        if target is None or bsym.sym in ACCUMULATE_ARG:
-            continue
-        origin = writes.origin(target)
-        if origin is None or origin.sym not in _GEMMS:
+        if target is None or bsym.sym in ACCUMULATE_ARG or not writes.made_here(target):
             continue
         at = writes.position(bsym)
         later = (
@@ -46,6 +59,4 @@ def drop_dead_writes(trace: TraceCtx) -> TraceCtx:
         )
         if next(later, None) is None:
             dead.add(id(bsym))
-    if not dead:
-        return trace
-    return dce(with_bound_symbols(trace, [b for b in trace.bound_symbols if id(b) not in dead]))
+    return dead

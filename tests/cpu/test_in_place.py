@@ -14,6 +14,7 @@ from thunder.executors.torch_compile import torch_compile_ex
 from torch import nn
 
 from te_v2_executor import ClaimPolicy, TEv2FallbackWarning, current_scaling, explain, make_te_v2
+from te_v2_executor.passes._writes import written_tensor
 from te_v2_executor.symbols import UNQUANTIZED_FWD, arg
 from tests.helpers import CLAIM_ALL, assert_like_eager, bsyms_of, forward_trace
 from tests.models import (
@@ -129,8 +130,6 @@ def test_a_dunder_method_writes_only_when_it_is_an_in_place_one(name, writes):
     from thunder.core.symbol import Symbol
     from thunder.core.trace import TraceCtx, tracectx
 
-    from te_v2_executor.passes._writes import written_tensor
-
     with tracectx(TraceCtx()):
         t = TensorProxy(shape=(4,), device=thunder.devices.cpu, dtype=thunder.dtypes.float32)
         out = TensorProxy(like=t)
@@ -164,3 +163,36 @@ def test_a_dead_write_into_a_linear_output_is_dropped_under_dataflow_fusion():
     jitted = thunder.jit(_DeadWriteIntoOutput(), executors=[te_v2, torch_compile_ex], fusion_type="dataflow")
     x = torch.randn(32, 64)
     assert torch.equal(jitted(x), x.view(2, 16, 64))
+
+
+class _DeadWritesAfterAnInputWrite(torch.nn.Module):
+    """An input halved in place, then a sum of it written twice in place and never read again
+    (fuzzer seed 2041, program 33, with torch.compile, shrunk)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l0 = torch.nn.Linear(64, 16, bias=False)
+        self.requires_grad_(False)
+
+    def forward(self, x0: torch.Tensor, x1: torch.Tensor) -> torch.Tensor:
+        x1.mul_(0.5)
+        v = x0 + x1
+        y = self.l0(v)
+        u = v * 3
+        v.add_(x1)
+        v.mul_(2)
+        return y + u[:, :16]
+
+
+def test_a_dead_write_after_an_input_write_leaves_the_input_written_once():
+    """The fusers' rematerialization recomputed the dead writes' operands in their region, the
+    input's halving included, so ``x1`` came out quartered; te_v2 drops both dead writes."""
+    model = _DeadWritesAfterAnInputWrite()
+    te_v2 = make_te_v2(backend="reference", recipe=current_scaling())
+    jitted = thunder.jit(model, executors=[te_v2, torch_compile_ex], fusion_type="dataflow")
+    x0, x1 = torch.randn(32, 64), torch.randn(32, 64)
+    ex0, ex1 = x0.clone(), x1.clone()
+    torch.testing.assert_close(jitted(x0, x1), model(ex0, ex1), **TOLS)
+    assert torch.equal(x1, ex1) and torch.equal(x0, ex0)
+    ran = [s for b in forward_trace(jitted).bound_symbols for s in (b.subsymbols if b.sym.is_fusion else [b])]
+    assert [b.sym.name for b in ran if written_tensor(b) is not None] == ["mul_"]

@@ -8,13 +8,10 @@ import copy
 import pytest
 import thunder
 import torch
-from thunder.core import prims
-from thunder.executors.torch_compile import torch_compile_ex
 from torch.utils.checkpoint import checkpoint
 
 from te_v2_executor import delayed_scaling, explain, make_te_v2, quantization_update_scope
-from te_v2_executor.symbols import BACKWARD_SYNC, FORWARD_SYNC, LINEAR_FWD
-from tests.helpers import CLAIM_ALL, backward_trace, bsyms_of, forward_trace
+from tests.helpers import CLAIM_ALL, FUSERS, assert_one_sync_per_pass_after_linear_work, fusers_named
 from tests.models import GraphBroken, Stack
 
 DIM, TOKENS = 64, 32
@@ -36,39 +33,16 @@ class HalfCheckpointed(torch.nn.Module):
         return x if self.tail is None else self.tail(torch.relu(x))
 
 
-def _fusers(name: str) -> list:
-    if name == "torch.compile":
-        return [torch_compile_ex]
-    if name == "nvfuser":
-        from thunder.executors.nvfuserex import nvfuserex
-
-        if nvfuserex is None:
-            pytest.skip("nvFuser is not installed (its CUDA 13 wheels need torch 2.10)")
-        return [nvfuserex]
-    return []
-
-
-def _work(trace) -> list:
-    return [b for b in trace.bound_symbols if b.sym not in (prims.python_del, prims.python_return)]
-
-
-@pytest.mark.parametrize("fuser", ["none", "torch.compile", "nvfuser"])
+@pytest.mark.parametrize("fuser", FUSERS)
 @pytest.mark.parametrize("use_checkpoint", [False, True], ids=["plain", "checkpoint"])
 @pytest.mark.parametrize("n", [1, 4, 32])
 def test_one_sync_per_pass_after_all_linear_work(n, use_checkpoint, fuser):
     ex = make_te_v2(backend="reference", claim=CLAIM_ALL, recipe=RECIPE)
-    jitted = thunder.jit(HalfCheckpointed(n, use_checkpoint=use_checkpoint), executors=[ex, *_fusers(fuser)])
+    jitted = thunder.jit(
+        HalfCheckpointed(n, use_checkpoint=use_checkpoint), executors=[ex, *fusers_named(fuser)]
+    )
     jitted(torch.randn(TOKENS, DIM, requires_grad=True)).sum().backward()
-    fwd, bwd = forward_trace(jitted), backward_trace(jitted)
-
-    (fsync,) = bsyms_of(fwd, FORWARD_SYNC)
-    work = _work(fwd)
-    assert all(work.index(b) < work.index(fsync) for b in bsyms_of(fwd, LINEAR_FWD))
-    assert len(fsync.kwargs["group"].states) == n
-    (bsync,) = bsyms_of(bwd, BACKWARD_SYNC)
-    assert _work(bwd)[-1] is bsync
-    assert len(bsync.kwargs["group"].states) == n
-    assert not bsyms_of(fwd, BACKWARD_SYNC) and not bsyms_of(bwd, FORWARD_SYNC)
+    assert_one_sync_per_pass_after_linear_work(jitted, n)
 
 
 def _states(jitted) -> dict:

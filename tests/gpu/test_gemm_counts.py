@@ -17,6 +17,7 @@ from tests.gpu.common import (
     torch_linear,
     train_step_gemms,
 )
+from tests.helpers import FUSERS, fusers_named
 from tests.models import LoRAStack, Stack, copy_weights, every_even
 
 pytestmark = requires_te_gpu
@@ -32,8 +33,9 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("fuser", FUSERS)
 @pytest.mark.parametrize("case", list(CASES))
-def test_te_v2_runs_only_the_gemms_needed(case):
+def test_te_v2_runs_only_the_gemms_needed(case, fuser):
     import transformer_engine.common.recipe as te_recipe
 
     build, needed = CASES[case]
@@ -45,13 +47,13 @@ def test_te_v2_runs_only_the_gemms_needed(case):
     builtin = thunder.jit(builtin_model, executors=[*executors, torch_compile_ex], transforms=transforms)
     x = torch.randn(TOKENS, DIM, device="cuda", dtype=DTYPE)
 
-    ours, names = train_step_gemms(jit_te_v2(model, torch_compile_ex), x, recipe)
+    ours, names = train_step_gemms(jit_te_v2(model, *fusers_named(fuser)), x, recipe)
     eager, _ = train_step_gemms(te_model, x, recipe)
     theirs, _ = train_step_gemms(builtin, x, recipe)
     print(
-        f"\n[{case}] GEMM kernels per step: te_v2 {ours}, te.Linear eager {eager}, built-in TE executor {theirs}, needed {needed}"
+        f"\n[{case}, {fuser}] GEMM kernels per step: te_v2 {ours}, te.Linear eager {eager}, built-in TE executor {theirs}, needed {needed}"
     )
-    print(f"[{case}] te_v2 kernels per step: {len(names)}")
+    print(f"[{case}, {fuser}] te_v2 kernels per step: {len(names)}")
     assert ours == needed, sorted(n for n in names)
     assert ours == eager
     assert ours < theirs

@@ -7,7 +7,7 @@ import thunder
 import torch
 
 from tests.gpu.common import DTYPE, builtin_executors, requires_te_gpu, te_v2_claiming_all, torch_linear
-from tests.helpers import saved_nbytes
+from tests.helpers import FUSERS, fusers_named, saved_nbytes
 from tests.models import LlamaLikeBlock
 
 pytestmark = requires_te_gpu
@@ -45,14 +45,17 @@ def _saved_bytes(fn, x, recipe, parameters) -> int:
     ],
     ids=["frozen-weight", "frozen-weight-saved", "first-layer"],
 )
-def test_saves_less_than_the_builtin_executor(weight_trains, input_grad, skip, expected):
+@pytest.mark.parametrize("fuser", FUSERS)
+def test_saves_less_than_the_builtin_executor(weight_trains, input_grad, skip, expected, fuser):
     import transformer_engine.common.recipe as te_recipe
 
     recipe = te_recipe.DelayedScaling()
     model = torch_linear(IN, OUT, False).requires_grad_(weight_trains)
     x = torch.randn(TOKENS, IN, device="cuda", dtype=DTYPE, requires_grad=input_grad)
     te_v2 = te_v2_claiming_all(skip_passes=skip)
-    ours = _saved_bytes(thunder.jit(model, executors=[te_v2]), x, recipe, model.parameters())
+    ours = _saved_bytes(
+        thunder.jit(model, executors=[te_v2, *fusers_named(fuser)]), x, recipe, model.parameters()
+    )
     executors, transforms = builtin_executors()
     builtin = thunder.jit(model, executors=executors, transforms=transforms)
     theirs = _saved_bytes(builtin, x, recipe, model.parameters())
@@ -64,7 +67,8 @@ def test_saves_less_than_the_builtin_executor(weight_trains, input_grad, skip, e
     assert ours < theirs
 
 
-def test_linears_reading_one_input_save_one_copy_of_it():
+@pytest.mark.parametrize("fuser", FUSERS)
+def test_linears_reading_one_input_save_one_copy_of_it(fuser):
     """A Llama-like block: with ``shared_inputs`` q/k/v save one x^T, gate/up one; without it k, v
     and up save three more, in FP8 (plus their scales)."""
     import transformer_engine.common.recipe as te_recipe
@@ -75,7 +79,7 @@ def test_linears_reading_one_input_save_one_copy_of_it():
     x = torch.randn(TOKENS, dim, device="cuda", dtype=DTYPE, requires_grad=True)
     shared, apart = (
         _saved_bytes(
-            thunder.jit(model, executors=[te_v2_claiming_all(skip_passes=skip)]),
+            thunder.jit(model, executors=[te_v2_claiming_all(skip_passes=skip), *fusers_named(fuser)]),
             x,
             recipe,
             model.parameters(),

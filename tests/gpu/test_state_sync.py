@@ -22,7 +22,14 @@ from tests.gpu.common import (
     torch_linear,
     train_step_kernels,
 )
-from tests.helpers import bsyms_of, forward_trace, train_steps
+from tests.helpers import (
+    FUSERS,
+    assert_one_sync_per_pass_after_linear_work,
+    bsyms_of,
+    forward_trace,
+    fusers_named,
+    train_steps,
+)
 from tests.models import Stack, copy_weights
 
 pytestmark = requires_te_gpu
@@ -85,14 +92,15 @@ def _assert_states_equal(ours, theirs):
     [(torch.relu, True), (torch.nn.functional.gelu, True), (torch.nn.functional.gelu, False)],
     ids=["relu-bias", "gelu-bias", "gelu"],
 )
-def test_state_losses_and_weights_match_te_linear_after_ten_steps(act, bias):
+@pytest.mark.parametrize("fuser", FUSERS)
+def test_state_losses_and_weights_match_te_linear_after_ten_steps(act, bias, fuser):
     """With GELUs, te_v2 computes them inside its FP8 casts (forward; backward too without a bias
     grad to compute): the amaxes it records must still be those of te.Linear's casts."""
     recipe = delayed_recipe()
     model = Model(torch_linear, act=act, bias=bias)
     te_model = copy_weights(Model(te_linear, act=act, bias=bias), model)
     xs = [torch.randn(TOKENS, DIM, device="cuda", dtype=DTYPE) for _ in range(STEPS)]
-    jitted = jit_te_v2(model)
+    jitted = jit_te_v2(model, *fusers_named(fuser))
     losses = _train(jitted, model, xs, recipe)
     folded = [b.kwargs["gelu"] for b in bsyms_of(forward_trace(jitted), LINEAR_FWD)]
     assert sum(folded) == (3 if act is torch.nn.functional.gelu else 0)
@@ -103,7 +111,8 @@ def test_state_losses_and_weights_match_te_linear_after_ten_steps(act, bias):
     _assert_states_equal(te_v2_states(jitted), _te_states(te_model))
 
 
-def test_checkpointing_changes_no_state():
+@pytest.mark.parametrize("fuser", FUSERS)
+def test_checkpointing_changes_no_state(fuser):
     """te_v2's recompute replays the forward's scales and records nothing: checkpointed and plain
     runs end with equal state. TE eager's own checkpoint is only reported (TE issue #3213: its
     recompute can update delayed-scaling state a second time)."""
@@ -112,7 +121,7 @@ def test_checkpointing_changes_no_state():
     ckpt = copy.deepcopy(plain)
     ckpt.checkpoint_fn = _torch_checkpoint
     xs = [torch.randn(TOKENS, DIM, device="cuda", dtype=DTYPE) for _ in range(STEPS)]
-    jitted, jitted_ckpt = jit_te_v2(plain), jit_te_v2(ckpt)
+    jitted, jitted_ckpt = jit_te_v2(plain, *fusers_named(fuser)), jit_te_v2(ckpt, *fusers_named(fuser))
     torch.testing.assert_close(
         _train(jitted, plain, xs, recipe), _train(jitted_ckpt, ckpt, xs, recipe), rtol=0, atol=0
     )
@@ -136,14 +145,15 @@ def test_checkpointing_changes_no_state():
     print(f"\nTE eager: te.checkpoint {'leaves' if same else 'changes'} delayed-scaling state (TE #3213)")
 
 
+@pytest.mark.parametrize("fuser", FUSERS)
 @pytest.mark.parametrize("n", [1, 4, 32])
-def test_one_update_kernel_per_pass_whatever_the_number_of_linears(n):
+def test_one_update_kernel_per_pass_whatever_the_number_of_linears(n, fuser):
     model = Stack([DIM] * (n + 1), factory=torch_linear)
     x = torch.randn(TOKENS, DIM, device="cuda", dtype=DTYPE, requires_grad=True)
-    count = sum(
-        "amax_and_scale_update" in name for name in train_step_kernels(jit_te_v2(model), x, delayed_recipe())
-    )
-    print(f"\n[{n} linears] amax/scale update kernels per step: te_v2 {count}")
+    jitted = jit_te_v2(model, *fusers_named(fuser))
+    count = sum("amax_and_scale_update" in name for name in train_step_kernels(jitted, x, delayed_recipe()))
+    assert_one_sync_per_pass_after_linear_work(jitted, n)
+    print(f"\n[{n} linears, {fuser}] amax/scale update kernels per step: te_v2 {count}")
     assert count == 2  # one for the forward flush, one for the backward flush
 
 

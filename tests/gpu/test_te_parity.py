@@ -8,8 +8,18 @@ import pytest
 import torch
 
 from tests.gpu.common import DTYPE, FP8_TOLS, jit_te_v2, requires_te_gpu, te_linear, torch_linear, train_step
-from tests.helpers import sqnr_db
-from tests.models import Checkpointed, LoRAStack, SharedWeight, Stack, copy_weights, every_even, grads
+from tests.helpers import FUSERS, fusers_named, sqnr_db
+from tests.models import (
+    Checkpointed,
+    LlamaLikeBlock,
+    LoRAStack,
+    SharedWeight,
+    Stack,
+    SwiGLUMLP,
+    copy_weights,
+    every_even,
+    grads,
+)
 
 pytestmark = requires_te_gpu
 
@@ -34,7 +44,22 @@ CASES = {
     "lora": lambda f: LoRAStack([DIM] * 3, rank=16, factory=f),
     "shared": lambda f: SharedWeight(DIM, factory=f),
     "all-frozen": lambda f: Stack([DIM] * 3, frozen=lambda i: True, factory=f),
+    "gelu-bias": lambda f: Stack(
+        [DIM] * 4, bias=True, frozen=every_even, act=torch.nn.functional.gelu, factory=f
+    ),
+    "swiglu": lambda f: SwiGLUMLP(DIM, 2 * DIM, factory=f),
+    "llama-block": lambda f: LlamaLikeBlock(DIM, frozen=("k",), factory=f),
 }
+# Cases whose weight gradients are compared by their SQNR to BF16's, against te.Linear's less
+# MARGIN_DB, not element by element: their norm and gate run in Thunder's arithmetic (float32
+# inside each op, rounded once), not eager's bfloat16 op by op, so their linears' FP8 casts see
+# inputs a bit apart, and a product of two FP8-computed tensors (q * sigmoid(k, v)) turns that into
+# weight-gradient elements apart by more than FP8's tolerance (on the CPU, in float32, te_v2 equals
+# the eager emulation bit for bit on this block).
+SQNR_GRADS, MARGIN_DB = {"llama-block"}, 1.5
+# Each fuser a user lists after te_v2, with the recipes whose state or casts its regions border;
+# block scaling runs the same passes as current scaling, with te_v2 alone.
+RECIPES_AND_FUSERS = [(r, f) for r in ("delayed", "current") for f in FUSERS] + [("block", "none")]
 
 
 def _pair(case: str):
@@ -60,11 +85,11 @@ def _steps(fn, model, x, recipe):
     return outputs, grads(model), x.grad
 
 
-@pytest.mark.parametrize("recipe_name", ["delayed", "current", "block"])
+@pytest.mark.parametrize(("recipe_name", "fuser"), RECIPES_AND_FUSERS, ids=lambda v: v)
 @pytest.mark.parametrize(
     ("case", "shape"), [*((c, (512,)) for c in CASES), ("seed", (4, 128))], ids=[*CASES, "seed-3d"]
 )
-def test_matches_te_linear_eager_over_steps(recipe_name, case, shape):
+def test_matches_te_linear_eager_over_steps(recipe_name, fuser, case, shape):
     if recipe_name == "block" and case == "lora":
         pytest.skip("rank-16 adapters are below block scaling's 128 granularity (they fall back)")
     recipe = _recipes()[recipe_name]
@@ -72,7 +97,7 @@ def test_matches_te_linear_eager_over_steps(recipe_name, case, shape):
     bf16 = copy.deepcopy(model)
     x = torch.randn(*shape, DIM, device="cuda", dtype=DTYPE, requires_grad=True)
 
-    ys, g, dx = _steps(jit_te_v2(model), model, x, recipe)
+    ys, g, dx = _steps(jit_te_v2(model, *fusers_named(fuser)), model, x, recipe)
     ys_te, g_te, dx_te = _steps(te_model, te_model, x, recipe)
     y_bf16, g_bf16, _ = _steps(bf16, bf16, x, recipe=None)
 
@@ -82,9 +107,13 @@ def test_matches_te_linear_eager_over_steps(recipe_name, case, shape):
     torch.testing.assert_close(dx, dx_te, **FP8_TOLS)
     for name, grad in g.items():
         assert (grad is None) == (g_te[name] is None), name
-        if grad is not None:
+        if grad is None:
+            continue
+        if case in SQNR_GRADS:
+            assert sqnr_db(grad, g_bf16[name]) > sqnr_db(g_te[name], g_bf16[name]) - MARGIN_DB, name
+        else:
             torch.testing.assert_close(grad, g_te[name], **FP8_TOLS, msg=_named(name))
-            assert sqnr_db(grad, g_bf16[name]) > 8.0, name
+        assert sqnr_db(grad, g_bf16[name]) > 8.0, name
 
 
 @pytest.mark.parametrize("recipe_name", ["delayed", "current"])
@@ -104,23 +133,6 @@ def test_checkpointed_te_v2_matches_te_linear_without_checkpoint(recipe_name):
     torch.testing.assert_close(dx, dx_te, **FP8_TOLS)
     for name, grad in g.items():
         torch.testing.assert_close(grad, g_te[name], **FP8_TOLS, msg=_named(name))
-
-
-def test_with_the_torch_compile_executor_fusing_the_rest():
-    from thunder.executors.torch_compile import torch_compile_ex
-
-    recipe = _recipes()["delayed"]
-    model, te_model = _pair("seed")
-    model.act = te_model.act = torch.nn.functional.gelu
-    x = torch.randn(512, DIM, device="cuda", dtype=DTYPE, requires_grad=True)
-    ys, g, dx = _steps(jit_te_v2(model, torch_compile_ex), model, x, recipe)
-    ys_te, g_te, dx_te = _steps(te_model, te_model, x, recipe)
-    for y, y_te in zip(ys, ys_te, strict=True):
-        torch.testing.assert_close(y, y_te, **FP8_TOLS)
-    torch.testing.assert_close(dx, dx_te, **FP8_TOLS)
-    for name, grad in g.items():
-        if grad is not None:
-            torch.testing.assert_close(grad, g_te[name], **FP8_TOLS, msg=_named(name))
 
 
 def test_fp32_weights_under_torch_autocast_get_their_gradients():
