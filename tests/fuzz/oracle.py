@@ -6,8 +6,8 @@ reference FP8 kernels when ``checks.decide`` gives FP8, through plain ``F.linear
 compute the same products). Compared: every output, every input after the call (the program may
 write into it) and every gradient; the None-ness of each gradient must match eager's exactly.
 
-- te_v2 against the emulation: bitwise (``torch.equal``) where every linear ran in FP8 and
-  nothing is bfloat16: the same kernels, and te_v2's FP8 dgrad adds into a gradient as eager's
+- te_v2 against the emulation: bitwise (``torch.equal``) where every linear ran in FP8, nothing
+  is bfloat16 and no fuser follows te_v2: the same kernels, and te_v2's FP8 dgrad adds into a gradient as eager's
   autograd adds. Elsewhere a relative error (Frobenius norm of the difference over the
   emulation's) of at most ``FOLD_RTOL``: te_v2 folds sums and constant scales into its
   unquantized GEMMs (``addmm_`` with alpha, beta = 1), and Thunder's own backward (the fallback
@@ -168,10 +168,13 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
 
 def tolerance(program: Program, routes: frozenset[str]) -> float | None:
     """The largest relative error allowed between te_v2 and the emulation (None: bitwise), for
-    ``program`` whose linears took ``routes``."""
+    ``program`` whose linears took ``routes``. With a fusion executor after te_v2, ``FOLD_RTOL``
+    even where every linear ran in FP8: the fuser computes the elementwise ops te_v2 hands back
+    with code of its own (Inductor's GELU differs from ATen's kernel in the last bit, 1.5e-7 seen:
+    fuzz ``--fuser torch.compile --seed 2042`` program 76)."""
     if any(m.dtype == "bfloat16" for m in program.meta.values()):
         return BF16_RTOL
-    return None if routes == {"fp8"} else FOLD_RTOL
+    return None if routes == {"fp8"} and not program.fusing.executors else FOLD_RTOL
 
 
 def _compare(expected: Run, actual: Run, label: str, tolerance: float | None, problems: list[str]) -> float:
