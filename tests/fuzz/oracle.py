@@ -35,14 +35,14 @@ import math
 import traceback
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
 from te_v2_executor import ClaimPolicy, current_scaling, delayed_scaling, make_te_v2
 from te_v2_executor.recipes import RecipeSpec
-from tests.fuzz.programs import Program
+from tests.fuzz.programs import FUSINGS, Program
 from tests.helpers import eager_emulation
 
 FOLD_RTOL = 1e-6
@@ -263,28 +263,38 @@ def _names(problems: list[str]) -> set[str]:
 
 
 def _attribute(program: Program, eager: Run, te: Run, verdict: Verdict) -> None:
-    """Make ``verdict`` Thunder's when Thunder alone (its default executors, no te_v2) raises
-    too, or gets the same tensors wrong (and, without FP8, the same values as te_v2)."""
+    """Make ``verdict`` Thunder's when Thunder alone (no te_v2), fused as te_v2's run is or, after
+    a fuser, unfused, raises too or gets the same tensors wrong (and, without FP8, the same values
+    as te_v2): Thunder 0.2.6 drops the gradient through an input written in place with a value
+    that needs one, unfused, and its torch.compile regions get it wrong another way (fuzz
+    ``--fuser torch.compile --seed 2043`` program 80), where te_v2 computes what unfused Thunder does."""
+    fusings = [program] + ([replace(program, fusing=FUSINGS["none"])] if program.fusing.executors else [])
+    notes = []
+    for alone in fusings:
+        thunders, note = _thunder_shares(alone, eager, te, verdict)
+        notes.append(note)
+        if thunders:
+            verdict.status = "thunder"
+            break
+    verdict.note = "; unfused: ".join(notes)
+
+
+def _thunder_shares(program: Program, eager: Run, te: Run, verdict: Verdict) -> tuple[bool, str]:
+    """Whether Thunder alone, as ``program`` fuses, shows ``verdict``'s failure; and what it did."""
     (alone,) = execute(program, "thunder")
     if alone.error:
-        thunders = bool(te.error)
-        verdict.note = f"Thunder without te_v2 raises too: {alone.error}"
-    elif te.error:
-        thunders, verdict.note = False, "Thunder without te_v2 runs it"
-    else:
-        problems: list[str] = []
-        _compare(eager, alone, "Thunder alone", ATTRIBUTION_RTOL, problems)
-        agree: list[str] = []
-        if not verdict.fp8:
-            _compare(alone, te, "te_v2 vs Thunder alone", ATTRIBUTION_RTOL, agree)
-        thunders = bool(problems) and _names(verdict.problems) <= _names(problems) and not agree
-        verdict.note = (
-            "Thunder without te_v2 differs from eager too: " + "; ".join(problems[:4])
-            if problems
-            else "Thunder without te_v2 matches eager"
-        )
-    if thunders:
-        verdict.status = "thunder"
+        return bool(te.error), f"Thunder without te_v2 raises too: {alone.error}"
+    if te.error:
+        return False, "Thunder without te_v2 runs it"
+    problems: list[str] = []
+    _compare(eager, alone, "Thunder alone", ATTRIBUTION_RTOL, problems)
+    agree: list[str] = []
+    if not verdict.fp8:
+        _compare(alone, te, "te_v2 vs Thunder alone", ATTRIBUTION_RTOL, agree)
+    thunders = bool(problems) and _names(verdict.problems) <= _names(problems) and not agree
+    if problems:
+        return thunders, "Thunder without te_v2 differs from eager too: " + "; ".join(problems[:4])
+    return thunders, "Thunder without te_v2 matches eager"
 
 
 def _check_delayed(program: Program, verdict: Verdict) -> None:
