@@ -149,14 +149,15 @@ class Writes:
         self._position = {id(b): i for i, b in enumerate(self.bound_symbols)}
         self._defined: dict[str, int] = {}
         self._parent: dict[str, str] = {}
-        self._inputs = {t.name for t in _tensors(tree_flatten((trace.args, trace.kwargs))[0])}
+        inputs = {t.name for t in _tensors(tree_flatten((trace.args, trace.kwargs))[0])}
         for i, bsym in enumerate(self.bound_symbols):
             if bsym.sym.name.startswith("unpack"):
-                self._inputs.update(t.name for t in _tensors(bsym.flat_outs))
+                inputs.update(t.name for t in _tensors(bsym.flat_outs))
             for out in _tensors(bsym.flat_outs):
                 self._defined.setdefault(out.name, i)
             for out, arg in _aliased_pairs(bsym):
                 self._union(out.name, arg.name)
+        self._input_roots = {self._root(name) for name in inputs}
         self._writes: dict[str, list[int]] = {}
         for i, bsym in enumerate(self.bound_symbols):
             if (target := written_tensor(bsym)) is not None:
@@ -225,8 +226,7 @@ class Writes:
     def made_here(self, p: TensorProxy) -> bool:
         """Whether ``p``'s storage was made by a bound symbol of the trace: no tensor that may
         share it is a trace input (an argument or what an unpack symbol gives)."""
-        root = self._root(p.name)
-        return not any(self._root(name) == root for name in self._inputs)
+        return self._root(p.name) not in self._input_roots
 
     def origin(self, p: TensorProxy) -> BoundSymbol | None:
         """The bound symbol that made ``p``'s storage; None where it is a trace input's."""

@@ -129,6 +129,8 @@ def test_checkpointing_changes_no_state(fuser):
         for a, b in zip(states, states_ckpt, strict=True):
             assert torch.equal(a.amax_history, b.amax_history) and torch.equal(a.scale, b.scale)
 
+    if fuser != "none":  # TE eager's report below does not depend on te_v2's fuser
+        return
     te_plain = copy_weights(Model(te_linear), plain)
     te_ckpt = copy_weights(Model(te_linear, checkpoint_fn=_te_checkpoint), plain)
     _train(te_plain, te_plain, xs, recipe)
