@@ -19,7 +19,7 @@ from typing import Any
 
 import thunder.torch as ltorch
 import torch
-from thunder.core import dtypes, prims, utils
+from thunder.core import devices, dtypes, prims, utils
 from thunder.core.proxies import AnyProxy, TensorProxy
 from thunder.core.symbol import BoundSymbol, BoundSymbolTag, Symbol
 from thunder.executors import torchex
@@ -357,15 +357,20 @@ BACKWARD_SYNC = ops.register_operator(
 
 
 # ---- a backward that reads a tensor after an in-place write into it: refused when it runs ----
-# (``passes/stale_reads.py``), as eager autograd refuses it; the forward runs as usual.
+# (``passes/stale_reads.py``), as eager autograd refuses it; the forward runs as usual. ``when``:
+# flags the forward computed, one per message; none: refused unconditionally, with the first.
 
 
-def _refuse_backward_meta(*grads, message):
+def _refuse_backward_meta(grads, when, *, messages):
     return None
 
 
-def _refuse_backward_impl(*grads, message: str) -> None:
-    raise RuntimeError(message)
+def _refuse_backward_impl(grads, when, *, messages: tuple[str, ...]) -> None:
+    if not when:
+        raise RuntimeError(messages[0])
+    for flag, message in zip(when, messages, strict=True):
+        if bool(flag):
+            raise RuntimeError(message)
 
 
 REFUSE_BACKWARD = ops.register_operator(
@@ -373,6 +378,25 @@ REFUSE_BACKWARD = ops.register_operator(
     meta=_refuse_backward_meta,
     fn=_refuse_backward_impl,
     tags=(prims.OpTags.DONT_DCE,),
+)
+
+
+# ---- whether two names of a storage share it at run time (``passes/view_writes.py``) --------
+# Thunder's view ops may copy (``reshape`` of a transposed tensor does); a read through another name
+# than a write's is refused only where the two do share storage. A CPU flag for the refusal, which
+# Thunder's split runs in the backward, the two tensors saved for it (in such programs only).
+
+
+def _shares_storage_meta(a, b):
+    return TensorProxy(like=a, shape=(), device=devices.cpu, dtype=dtypes.bool8)
+
+
+def _shares_storage_impl(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return torch.tensor(a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr())
+
+
+SHARES_STORAGE = ops.register_operator(
+    "te_v2_shares_storage", meta=_shares_storage_meta, fn=_shares_storage_impl
 )
 
 

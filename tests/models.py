@@ -281,6 +281,50 @@ class SavedThenWritten(nn.Module):
         return y + h
 
 
+class WrittenThroughAnotherName(nn.Module):
+    """h is written in place through one name of its storage and then read through another, as
+    ``way`` says: its slice written and h returned ("returned slice", the base read by b
+    ("flat view", "transposed view"), the slice returned beside a read of h ("slice and base"), or
+    a copy of a's weight written by row and read by F.linear ("weight row"). Thunder differentiates
+    those reads as if the write had not happened; it differentiates right a write through h itself
+    ("setitem") and the read of a reshape that copied (of a transposed h, "reshaped copy")."""
+
+    REFUSED = ("returned slice", "flat view", "transposed view", "slice and base", "weight row")
+    RIGHT = ("setitem", "reshaped copy")
+
+    def __init__(self, way: str, dim: int = 64, **kw) -> None:
+        super().__init__()
+        self.way = way
+        self.a = nn.Linear(dim, dim, bias=False, **kw)
+        self.b = nn.Linear(dim, dim, bias=False, **kw)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if self.way == "weight row":
+            w = self.a.weight * 1.0
+            w[0].zero_()
+            return (torch.nn.functional.linear(x, w),)
+        h = self.a(x) * 1.0
+        if self.way == "returned slice":
+            y = self.b(h)
+            h[:, :8].mul_(-1.0)
+            return y, h
+        if self.way == "slice and base":
+            t = h[:, :8]
+            t.mul_(2.0)
+            return self.b(h), t
+        if self.way == "reshaped copy":
+            t = h.t()
+            flat = t.reshape(-1)
+            t.mul_(3.0)
+            return self.b(t.t()), flat
+        if self.way == "setitem":
+            h[:, :8] = h[:, :8] * 3.0
+        else:
+            view = h.view(-1) if self.way == "flat view" else h.t()
+            view[:8].mul_(3.0)
+        return (self.b(h),)
+
+
 class GraphBroken(nn.Module):
     """Two stacks with a Dynamo graph break between them: thunderfx compiles two regions."""
 

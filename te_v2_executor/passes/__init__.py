@@ -34,6 +34,7 @@ from te_v2_executor.passes import (
     sums,
     swiglu,
     syncs,
+    view_writes,
     widenings,
     write_order,
 )
@@ -76,9 +77,17 @@ PIPELINE: tuple[Pass, ...] = (
         "the linears' symbols carry the provisional states their transforms made",
     ),
     Pass(
+        "view_writes",
+        lambda trace, context: view_writes.order_returned_aliases(trace),
+        "an output returned under a name from before a write into its storage waits for the write",
+        "before stale_reads, which judges the reads of the outputs as returned",
+        "the trace is Thunder's own, with its in-place writes functionalized into copies",
+    ),
+    Pass(
         "stale_reads",
         lambda trace, context: stale_reads.refuse_stale_reads(trace),
-        "a backward that reads a tensor after an in-place write into it raises",
+        "a backward that reads a tensor after an in-place write into it, or through a write Thunder "
+        "differentiates as if it had not happened, raises",
         "before any pass moves a read: it judges the reads the user's program makes",
         "the trace is Thunder's own, with its in-place writes functionalized into copies",
     ),

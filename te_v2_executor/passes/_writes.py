@@ -30,7 +30,7 @@ from thunder.core.symbol import BoundSymbol
 from thunder.core.trace import TraceCtx
 from thunder.executors import torchex
 
-from te_v2_executor.symbols import ACCUMULATE_ARG, ORDERED
+from te_v2_executor.symbols import ACCUMULATE_ARG, ORDERED, SHARES_STORAGE
 
 _VIEW_OPS = {
     "reshape",
@@ -70,8 +70,11 @@ _VIEW_NAMES = frozenset(
     | _VIEW_OPS
 ) - {"to", "convert_element_type"}
 # Reads of a proxy that do not read its values: a cotangent placeholder, the renaming of a
-# written tensor's aliases, the trace's return, and te_v2's ordering of a write.
-_NOT_VALUE_READS = frozenset({"get_grad", "update_aliases", "python_return", "python_del", ORDERED.name})
+# written tensor's aliases, the trace's return, te_v2's ordering of a write and its check of
+# where two names' storage lies.
+_NOT_VALUE_READS = frozenset(
+    {"get_grad", "update_aliases", "python_return", "python_del", ORDERED.name, SHARES_STORAGE.name}
+)
 
 
 def reads_values(bsym: BoundSymbol) -> bool:
@@ -174,6 +177,10 @@ class Writes:
         if ra != rb:
             self._parent[ra] = rb
 
+    def root(self, p: TensorProxy) -> str:
+        """The name that stands for ``p``'s storage: the same for every tensor that may share it."""
+        return self._root(p.name)
+
     def position(self, bsym: BoundSymbol) -> int:
         """The index of ``bsym`` in the trace."""
         return self._position[id(bsym)]
@@ -200,6 +207,20 @@ class Writes:
         """The position of the last bound symbol that writes into the storage of any of ``ps``;
         -1 when none does."""
         return max((k for p in ps for k in self._write_positions(p)), default=-1)
+
+    def written_since_made(self, p: TensorProxy, before: int) -> list[int]:
+        """The positions of the writes into ``p``'s storage after ``p`` was made and before
+        position ``before``: the writes a read of ``p`` at ``before`` sees that ``p`` did not hold."""
+        made = self._defined.get(p.name, -1)
+        return [k for k in self._write_positions(p) if made < k < before]
+
+    def carriers(self, bsym: BoundSymbol) -> set[str]:
+        """The names of the tensors that carry ``bsym``'s outputs on: the outputs, and what views,
+        renames (``update_aliases``) and writes into them make of them after it."""
+        names = {t.name for t in _tensors(bsym.flat_outs)}
+        for later in self.bound_symbols[self.position(bsym) + 1 :]:
+            names.update(out.name for out, arg in _aliased_pairs(later) if arg.name in names)
+        return names
 
     def ever_written(self, p: Any) -> bool:
         """Whether any bound symbol writes into ``p``'s storage."""
@@ -242,14 +263,14 @@ class Writes:
             if not reads_values(bsym):
                 continue
             for p in _tensors(bsym.flat_args):
-                made = self._defined.get(p.name, -1)
-                later = [k for k in self._write_positions(p) if made < k < j]
-                if later:
+                if later := self.written_since_made(p, j):
                     yield StaleRead(bsym, p, self.bound_symbols[later[0]])
 
 
 def _where(bsym: BoundSymbol) -> str:
     """``bsym``'s name and, when Thunder recorded it, the source line it was traced from."""
+    if bsym.sym.name == "python_return":
+        return "the compiled function's return"
     if bsym.source_filename and bsym.source_positions is not None and bsym.source_positions.lineno:
         return f"{bsym.sym.name} at {bsym.source_filename}:{bsym.source_positions.lineno}"
     return bsym.sym.name
@@ -264,14 +285,14 @@ _STALE_READ = (
 )
 
 
-def describe(writes: Writes, stale: StaleRead) -> str:
-    """The error a stale read gets: the tensor (where its storage was made), its reader and the
-    write in between, and how to avoid it."""
+def describe(writes: Writes, stale: StaleRead, template: str = _STALE_READ) -> str:
+    """The error a stale read gets (or ``template`` filled the same way): the tensor (where its
+    storage was made), its reader and the write, and how to avoid it."""
     t = stale.tensor
     origin = writes.origin(t)
     made = "an input of the compiled function" if origin is None else f"made by {_where(origin)}"
     tensor = f"tensor {t.name} ({dtypes.to_torch_dtype(t.dtype)}{list(t.shape)}, {made})"
-    return _STALE_READ.format(tensor=tensor, reader=_where(stale.reader), writer=_where(stale.writer))
+    return template.format(tensor=tensor, reader=_where(stale.reader), writer=_where(stale.writer))
 
 
 def check_no_new_stale_reads(before: TraceCtx, after: TraceCtx) -> None:

@@ -1,26 +1,60 @@
-"""Pass ``stale_reads``: make a backward that reads a tensor after an in-place write into it
-raise, as eager's does."""
+"""Pass ``stale_reads``: make a backward that would compute with the wrong values of a tensor
+written in place raise: one that reads it after the write, as eager's raises, and one through a
+write Thunder differentiates as if it had not happened (``view_writes``)."""
 
 from __future__ import annotations
 
-from thunder.core.trace import TraceCtx
+from thunder.core import devices, dtypes
+from thunder.core.proxies import TensorProxy
+from thunder.core.symbol import BoundSymbol
+from thunder.core.trace import TraceCtx, tracectx
 
-from te_v2_executor.passes._trace import before_return, returned_grads
-from te_v2_executor.passes._writes import Writes, describe
-from te_v2_executor.symbols import REFUSE_BACKWARD, in_backward
+from te_v2_executor.passes._trace import before_return, returned_grads, spliced, with_bound_symbols
+from te_v2_executor.passes._writes import Writes, describe, written_tensor
+from te_v2_executor.passes.view_writes import bypassed_writes
+from te_v2_executor.symbols import REFUSE_BACKWARD, SHARES_STORAGE, in_backward
+
+_BYPASSED_WRITE = (
+    "te_v2: {tensor} is read by {reader} after {writer} wrote into its storage through another "
+    "name of it (a slice or view of it, or the tensor it is a view of). Thunder differentiates "
+    "that read as if the write had not happened, so the gradients would be silently wrong. Write "
+    "through the tensor itself (`h[:, :4] = h[:, :4] * 3` rather than `h[:, :4].mul_(3)`) or out "
+    "of place (`torch.where`, `torch.cat`), or run this without gradients."
+)
 
 
 def refuse_stale_reads(trace: TraceCtx) -> TraceCtx:
-    """Make a backward that reads a tensor after an in-place write into it raise, as eager's does.
+    """Make a backward that would compute with the wrong values of a tensor written in place raise.
 
     Thunder's backward reads what the forward saved by its storage, so a write into it after the
-    save changes the gradient, silently. The forward still runs, as eager's does, and a
-    ``te_v2_refuse_backward`` that reads the returned gradients (so that Thunder's split puts it
-    at the end of the backward, before they are returned) raises the error naming the tensor and
-    the write. The forward is Thunder's and is left as it is."""
-    writes = Writes(trace)
-    stale = next((s for s in writes.stale_reads() if in_backward(s.reader)), None)
+    save changes the gradient, silently; eager's backward raises there. A read through another
+    name of a written storage than the write's own is differentiated as if the write had not
+    happened (``view_writes``), where the two names do share storage when it runs: a
+    ``te_v2_shares_storage`` before the read says so (a ``reshape`` that copied does not). The
+    forward still runs, and a ``te_v2_refuse_backward`` that reads the returned gradients (so that
+    Thunder's split puts it at the end of the backward, before they are returned) raises the error
+    naming the tensor and the write. The forward is otherwise Thunder's and is left as it is."""
     grads = returned_grads(trace)
-    if stale is None or not grads:
+    if not grads:
         return trace
-    return before_return(trace, REFUSE_BACKWARD.bind(*grads, message=describe(writes, stale), output=None))
+    writes = Writes(trace)
+    if stale := next((s for s in writes.stale_reads() if in_backward(s.reader)), None):
+        return before_return(
+            trace, REFUSE_BACKWARD.bind(grads, (), messages=(describe(writes, stale),), output=None)
+        )
+    checks: dict[tuple[str, str], tuple[BoundSymbol, str]] = {}
+    inserted: dict[int, list[BoundSymbol]] = {}
+    for bypass in bypassed_writes(trace):
+        target = written_tensor(bypass.writer)
+        if (bypass.tensor.name, target.name) in checks:
+            continue
+        with tracectx(trace):
+            flag = TensorProxy(like=bypass.tensor, shape=(), device=devices.cpu, dtype=dtypes.bool8)
+        check = SHARES_STORAGE.bind(bypass.tensor, target, output=flag)
+        checks[bypass.tensor.name, target.name] = (check, describe(writes, bypass, _BYPASSED_WRITE))
+        inserted.setdefault(writes.position(bypass.reader), []).append(check)
+    if not checks:
+        return trace
+    flags, messages = zip(*((c.output, m) for c, m in checks.values()), strict=True)
+    refuse = REFUSE_BACKWARD.bind(grads, flags, messages=messages, output=None)
+    return before_return(with_bound_symbols(trace, spliced(trace, {}, inserted=inserted)), refuse)

@@ -40,8 +40,10 @@ class HFLike(torch.nn.Module):
         h = x.float()
         h = self.norm * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)).to(torch.bfloat16)
         wide = h.float()
-        if self.write_after_cast:
-            (h if self.write_after_cast == "tensor" else h.view(-1)).mul_(0.5)
+        if self.write_after_cast == "tensor":
+            h.mul_(0.5)
+        elif self.write_after_cast == "view":  # read on through the written view, as Thunder differentiates
+            h = h.view(-1).mul_(0.5).view(h.shape)
         y = self.base(h) + self.lora_b(self.lora_a(wide)).to(torch.bfloat16)
         return self.head(y)
 

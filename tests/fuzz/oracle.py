@@ -26,7 +26,8 @@ write into it) and every gradient; the None-ness of each gradient must match eag
 - ``delayed``: te_v2 with delayed scaling (stateful) for ``DELAYED_STEPS`` steps on one model
   against eager, within ``FP8_RTOL`` (without FP8 linears, the bound against the emulation).
 
-A failure that Thunder without te_v2 shows too is Thunder's (``Verdict.status`` "thunder").
+A failure that Thunder without te_v2 shows too is Thunder's (``Verdict.status`` "thunder"), and
+so is te_v2's refusal (its own error) of a program that Thunder without te_v2 gets wrong silently.
 """
 
 from __future__ import annotations
@@ -285,6 +286,8 @@ def _thunder_shares(program: Program, eager: Run, te: Run, verdict: Verdict) -> 
     if alone.error:
         return bool(te.error), f"Thunder without te_v2 raises too: {alone.error}"
     if te.error:
+        if _refusal_of_thunders(program, te):
+            return True, "te_v2 refuses it; Thunder without te_v2 differs from eager silently"
         return False, "Thunder without te_v2 runs it"
     problems: list[str] = []
     _compare(eager, alone, "Thunder alone", ATTRIBUTION_RTOL, problems)
@@ -295,6 +298,21 @@ def _thunder_shares(program: Program, eager: Run, te: Run, verdict: Verdict) -> 
     if problems:
         return thunders, "Thunder without te_v2 differs from eager too: " + "; ".join(problems[:4])
     return thunders, "Thunder without te_v2 matches eager"
+
+
+def _refusal_of_thunders(program: Program, te: Run) -> bool:
+    """Whether ``te``'s error is te_v2's refusal of a program Thunder alone gets wrong, silently,
+    with the program's loss or the other one (squares hide a sign: ``v.t().mul_(-1)`` bypassed)."""
+    if "te_v2: " not in te.error or "internal error" in te.error:
+        return False
+    for loss in dict.fromkeys((program.loss, "squares", "cotangent")):
+        probe = replace(program, loss=loss)
+        (eager,), (alone,) = execute(probe, "eager"), execute(probe, "thunder")
+        problems: list[str] = []
+        _compare(eager, alone, "Thunder alone", ATTRIBUTION_RTOL, problems)
+        if problems and not alone.error:
+            return True
+    return False
 
 
 def _check_delayed(program: Program, verdict: Verdict) -> None:

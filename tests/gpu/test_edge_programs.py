@@ -1,5 +1,6 @@
 """Programs at the edges, on TransformerEngine: in-place writes around folded GEMMs, a backward
-that reads a tensor written after it was saved, batches of no tokens."""
+that reads a tensor written after it was saved, or that Thunder would differentiate past a write
+through a view, batches of no tokens."""
 
 from __future__ import annotations
 
@@ -11,8 +12,14 @@ import torch
 
 from te_v2_executor import TEv2FallbackWarning, explain, make_te_v2
 from tests.gpu.common import DTYPE, jit_te_v2, requires_te_gpu, train_step
-from tests.helpers import assert_like_eager
-from tests.models import SavedThenWritten, Stack, WriteAfterAdapter, WriteIntoInputBeforeAdapter
+from tests.helpers import CLAIM_ALL, assert_like_eager
+from tests.models import (
+    SavedThenWritten,
+    Stack,
+    WriteAfterAdapter,
+    WriteIntoInputBeforeAdapter,
+    WrittenThroughAnotherName,
+)
 
 pytestmark = requires_te_gpu
 
@@ -33,6 +40,29 @@ def test_a_backward_reading_a_tensor_written_after_it_was_saved_is_refused():
     jitted = thunder.jit(SavedThenWritten(device="cuda", dtype=DTYPE), executors=[make_te_v2()])
     with pytest.raises(RuntimeError, match="modified by an in-place operation"):
         jitted(torch.randn(128, 64, device="cuda", dtype=DTYPE)).sum().backward()
+
+
+@pytest.mark.parametrize("way", WrittenThroughAnotherName.REFUSED)
+def test_a_read_past_a_write_through_a_view_refuses_the_backward_in_fp8(way):
+    """Every linear FP8 on TE: the forward runs, the backward Thunder would get wrong raises."""
+    import transformer_engine.common.recipe as te_recipe
+    import transformer_engine.pytorch as te
+
+    model = WrittenThroughAnotherName(way, dim=128, device="cuda", dtype=DTYPE)
+    jitted = thunder.jit(model, executors=[make_te_v2(claim=CLAIM_ALL)])
+    with te.autocast(recipe=te_recipe.DelayedScaling()):
+        outputs = jitted(torch.randn(128, 128, device="cuda", dtype=DTYPE))
+    assert {r.recipe for r in explain(jitted).linears} == {"delayed"}
+    with pytest.raises(RuntimeError, match=r"through another name of it|modified by an in-place operation"):
+        sum(o.float().sum() for o in outputs).backward()
+
+
+@pytest.mark.parametrize("way", WrittenThroughAnotherName.RIGHT)
+def test_what_thunder_differentiates_right_past_a_write_runs(way):
+    model = WrittenThroughAnotherName(way, device="cuda", dtype=DTYPE)
+    assert_like_eager(
+        model, torch.randn(128, 64, device="cuda", dtype=DTYPE), [make_te_v2()], grad=True, **BF16_TOLS
+    )
 
 
 @pytest.mark.parametrize("grad", [True, False], ids=["train", "no_grad"])

@@ -1,0 +1,156 @@
+"""Pass ``view_writes``: a write through one name of a storage, then read through another (the
+base of a written slice, another view of it), which Thunder 0.2.6 orders only for the ops it
+renames, and differentiates as if the write had not happened.
+
+Thunder renames a written storage's aliases (``update_aliases``) before each op that reads one
+after the write, so that the op waits for the write; it skips the trace's return. ``v = x * 2;
+y = l(v); v[:, :4].mul_(3); return y, v`` returns ``v`` under its name from before the write,
+which nothing orders after the write: Thunder's split into forward and backward put the write in
+the backward, and the returned ``v`` lacked it, silently. ``order_returned_aliases`` has such an
+output wait for the write, as the renamed readers do.
+
+Thunder's gradient transform takes ``update_aliases`` to be the identity. The gradient of a value
+read through another name than the write's own then reaches what the storage held before the
+write, as if the write had not happened (``w = lin.weight * 1.0; w[0].zero_(); F.linear(x, w)``
+gives row 0 of the weight a gradient), and the write's source gets none through it.
+``bypassed_writes`` finds such reads where a gradient may flow through them, for ``stale_reads``
+to refuse the backward. Writing through the base itself (``h[:, :4] = h[:, :4] * 3``, Thunder's
+``setitem``) or out of place (``torch.where``, ``torch.cat``) is differentiated right.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from thunder.core.proxies import TensorProxy, variableify
+from thunder.core.pytree import tree_flatten, tree_map
+from thunder.core.symbol import BoundSymbol
+from thunder.core.trace import TraceCtx, tracectx
+
+from te_v2_executor.passes._trace import replaced
+from te_v2_executor.passes._writes import StaleRead, Writes, reads_values, written_tensor
+from te_v2_executor.symbols import ORDERED, in_backward
+
+# The keys of a trace's return that hold what the forward returns: a joint trace's ``output``
+# holds the gradients instead.
+_FORWARD_OUTPUTS = {True: ("fw_flat_out",), False: ("output", "flat_output")}
+
+
+def _returned(trace: TraceCtx) -> tuple[dict, tuple[str, ...]]:
+    """The return's dictionary, and the keys of it that hold the forward's outputs."""
+    ret = trace.bound_symbols[-1].args[0]
+    if not isinstance(ret, dict):
+        return {}, ()
+    return ret, tuple(k for k in _FORWARD_OUTPUTS["fw_flat_out" in ret] if k in ret)
+
+
+def forward_outputs(trace: TraceCtx) -> list[TensorProxy]:
+    """The tensors the forward of ``trace`` returns (not its inputs, nor the gradients)."""
+    ret, keys = _returned(trace)
+    return [t for k in keys for t in tree_flatten(ret[k])[0] if isinstance(t, TensorProxy)]
+
+
+def _forward_writes(writes: Writes, p: TensorProxy, before: int) -> list[BoundSymbol]:
+    """The forward's writes into ``p``'s storage after ``p`` was made, before position ``before``."""
+    found = (writes.bound_symbols[k] for k in writes.written_since_made(p, before))
+    return [w for w in found if not in_backward(w)]
+
+
+def order_returned_aliases(trace: TraceCtx) -> TraceCtx:
+    """``trace`` with each output it returns under a name from before a write into its storage
+    returned through ``te_v2_ordered`` after the last such write, which it waits for."""
+    writes = Writes(trace)
+    end = len(trace.bound_symbols) - 1
+    swap: dict[Any, TensorProxy] = {}
+    inserted: dict[int, list[BoundSymbol]] = {}
+    for p in forward_outputs(trace):
+        written = _forward_writes(writes, p, end)
+        markers = [t for t in written[-1].flat_proxy_outs if isinstance(t, TensorProxy)] if written else []
+        if variableify(p) in swap or not markers:
+            continue
+        with tracectx(trace):
+            swap[variableify(p)] = TensorProxy(like=p)
+        inserted.setdefault(writes.position(written[-1]) + 1, []).append(
+            ORDERED.bind(p, markers[0], output=swap[variableify(p)])
+        )
+    if not swap:
+        return trace
+    ret_bsym = trace.bound_symbols[-1]
+    ret, keys = _returned(trace)
+    renamed = {
+        k: tree_map(lambda v: swap.get(variableify(v), v) if isinstance(v, TensorProxy) else v, ret[k])
+        for k in keys
+    }
+    swapped = {id(ret_bsym): ret_bsym.from_bsym(args=({**ret, **renamed}, *ret_bsym.args[1:]))}
+    # The backward names an output's gradient by the output's name.
+    swapped.update(
+        (id(b), b.from_bsym_swap_proxies(swap, skip_output=True))
+        for b in trace.bound_symbols
+        if b.sym.name == "get_grad" and variableify(b.args[0]) in swap
+    )
+    return replaced(trace, swapped, inserted=inserted)
+
+
+def _differentiable_storage(trace: TraceCtx, writes: Writes) -> set[str]:
+    """The storage roots of the forward's tensors that may carry a gradient: those that read an
+    input which requires one, through any op (a comparison's included: an over-approximation)."""
+    inputs = [t for t in tree_flatten((trace.args, trace.kwargs))[0] if isinstance(t, TensorProxy)]
+    marked = {writes.root(t) for t in inputs if t.requires_grad}
+    for bsym in trace.bound_symbols:
+        tensor_outs = [t for t in bsym.flat_proxy_outs if isinstance(t, TensorProxy)]
+        if bsym.sym.name.startswith("unpack"):
+            marked.update(writes.root(t) for t in tensor_outs if t.requires_grad)
+        elif not in_backward(bsym) and any(
+            writes.root(a) in marked for a in bsym.flat_proxy_args if isinstance(a, TensorProxy)
+        ):
+            marked.update(writes.root(t) for t in tensor_outs)
+    return marked
+
+
+def _used(trace: TraceCtx) -> set[int]:
+    """The ids of the bound symbols whose results something uses: the return, the backward, a
+    write, or a used result of a later one. A name ``update_aliases`` gives is used where the name
+    it renames is, not where the others in its group are (Thunder renames a whole group of views
+    at once, the unused ones too)."""
+    ret = trace.bound_symbols[-1]
+    names = {p.name for p in ret.flat_proxy_args}
+    used = {id(ret)}
+    for bsym in reversed(trace.bound_symbols[:-1]):
+        outs = list(bsym.flat_proxy_outs)
+        if not (in_backward(bsym) or written_tensor(bsym) is not None or any(o.name in names for o in outs)):
+            continue
+        used.add(id(bsym))
+        if bsym.sym.name == "update_aliases":
+            names.update(a.name for a, o in zip(bsym.args[0], outs, strict=False) if o.name in names)
+        else:
+            names.update(a.name for a in bsym.flat_proxy_args)
+    return used
+
+
+def bypassed_writes(trace: TraceCtx) -> Iterator[StaleRead]:
+    """The forward's reads, the return's included, of a written storage through a name that does
+    not carry the write on (the written slice's base, another view), where a gradient may flow."""
+    writes = Writes(trace)
+    differentiable, used = _differentiable_storage(trace, writes), _used(trace)
+    ret_bsym, outputs = trace.bound_symbols[-1], {t.name for t in forward_outputs(trace)}
+    for writer in trace.bound_symbols:
+        target = written_tensor(writer)
+        if target is None or in_backward(writer) or writes.root(target) not in differentiable:
+            continue
+        carriers = writes.carriers(writer)
+        for reader in trace.bound_symbols[writes.position(writer) + 1 :]:
+            if (
+                in_backward(reader)
+                or id(reader) not in used
+                or not (reads_values(reader) or reader is ret_bsym)
+            ):
+                continue
+            for p in reader.flat_proxy_args:
+                if (
+                    isinstance(p, TensorProxy)
+                    and (reader is not ret_bsym or p.name in outputs)
+                    and p.name not in carriers
+                    and writes.same_storage(p, target)
+                ):
+                    yield StaleRead(reader, p, writer)
