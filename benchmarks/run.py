@@ -1,6 +1,7 @@
 """``make bench``: every variant side by side, in one process and one run, on one GPU.
 
     python -m benchmarks.run [--suite main|sweeps|ddp|hf|all] [--out results]
+                             [--scenarios full lora ...] [--variants "te_v2 + nvFuser" ...]
 
 Prints a markdown table, and writes ``bench.json`` and PNG plots into ``--out``. Needs a CUDA GPU
 with TransformerEngine; exits with status 2 without one. The ddp suite (in ``all``) runs
@@ -145,6 +146,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("results"))
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument(
+        "--scenarios", nargs="+", choices=SCENARIOS, help="only these scenarios (main, sweeps)"
+    )
+    parser.add_argument("--variants", nargs="+", help="only the variants of these names (main, sweeps)")
     parser.add_argument("--ddp-timeout", type=float, default=1200, help="seconds the ddp suite may take")
     args = parser.parse_args(argv)
     if without_te_gpu("make bench"):
@@ -153,6 +158,11 @@ def main(argv: list[str] | None = None) -> int:
     warm_up_process()
     jobs = [(c, v) for c in configurations(args.suite) for v in variants(lora=c["scenario"] == "lora")]
     jobs = [(c, v) for c, v in jobs if c["suite"] == "main" or v.name in SWEEP_VARIANTS]
+    jobs = [
+        (c, v)
+        for c, v in jobs
+        if c["scenario"] in (args.scenarios or SCENARIOS) and (not args.variants or v.name in args.variants)
+    ]
     bar = _progress(len(jobs))
     results = []
     args.out.mkdir(parents=True, exist_ok=True)

@@ -38,6 +38,10 @@ def _builtin(fusers: list) -> Callable:
     )
 
 
+def _thunder(fusers: list) -> Callable:
+    return lambda m: thunder.jit(m, executors=fusers)
+
+
 def _te_v2(fusers: list, executor=te_v2) -> Callable:
     return lambda m: thunder.jit(m, executors=[executor, *fusers])
 
@@ -48,9 +52,12 @@ def _te_v2_graphed(fusers: list) -> Callable:
 
 
 def variants(*, lora: bool) -> list[Variant]:
-    """Every variant, Thunder ones with and without each fusion executor installed."""
+    """Every variant, Thunder ones with and without each fusion executor installed (and each
+    fuser alone in BF16)."""
     found = [Variant("torch bf16 eager", False, "torch", None), Variant("te.Linear eager", True, "te", None)]
     for suffix, fusers in _fusers().items():
+        if fusers:
+            found.append(Variant(f"thunder bf16{suffix}", False, "torch", _thunder(fusers)))
         found.append(Variant(f"builtin TE{suffix}", True, "torch", _builtin(fusers)))
         found.append(Variant(f"te_v2{suffix}", True, "torch", _te_v2(fusers)))
     compile_fusers = _fusers()[" + torch.compile"]
