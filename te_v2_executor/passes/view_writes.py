@@ -45,7 +45,7 @@ def _returned(trace: TraceCtx) -> tuple[dict, tuple[str, ...]]:
     return ret, tuple(k for k in _FORWARD_OUTPUTS["fw_flat_out" in ret] if k in ret)
 
 
-def forward_outputs(trace: TraceCtx) -> list[TensorProxy]:
+def _forward_outputs(trace: TraceCtx) -> list[TensorProxy]:
     """The tensors the forward of ``trace`` returns (not its inputs, nor the gradients)."""
     ret, keys = _returned(trace)
     return [t for k in keys for t in tree_flatten(ret[k])[0] if isinstance(t, TensorProxy)]
@@ -64,7 +64,7 @@ def order_returned_aliases(trace: TraceCtx) -> TraceCtx:
     end = len(trace.bound_symbols) - 1
     swap: dict[Any, TensorProxy] = {}
     inserted: dict[int, list[BoundSymbol]] = {}
-    for p in forward_outputs(trace):
+    for p in _forward_outputs(trace):
         written = _forward_writes(writes, p, end)
         markers = [t for t in written[-1].flat_proxy_outs if isinstance(t, TensorProxy)] if written else []
         if variableify(p) in swap or not markers:
@@ -128,29 +128,33 @@ def _used(trace: TraceCtx) -> set[int]:
     return used
 
 
+def _reads_by_storage(
+    trace: TraceCtx, writes: Writes
+) -> dict[str, list[tuple[int, BoundSymbol, TensorProxy]]]:
+    """(position, reader, tensor) of each forward read whose result is used, the return's of the
+    forward's outputs included, by the storage of the tensor read."""
+    used, ret = _used(trace), trace.bound_symbols[-1]
+    outputs = {t.name for t in _forward_outputs(trace)}
+    found: dict[str, list[tuple[int, BoundSymbol, TensorProxy]]] = {}
+    for at, reader in enumerate(trace.bound_symbols):
+        if in_backward(reader) or id(reader) not in used or not (reads_values(reader) or reader is ret):
+            continue
+        for p in reader.flat_proxy_args:
+            if isinstance(p, TensorProxy) and (reader is not ret or p.name in outputs):
+                found.setdefault(writes.root(p), []).append((at, reader, p))
+    return found
+
+
 def bypassed_writes(trace: TraceCtx) -> Iterator[StaleRead]:
     """The forward's reads, the return's included, of a written storage through a name that does
     not carry the write on (the written slice's base, another view), where a gradient may flow."""
     writes = Writes(trace)
-    differentiable, used = _differentiable_storage(trace, writes), _used(trace)
-    ret_bsym, outputs = trace.bound_symbols[-1], {t.name for t in forward_outputs(trace)}
+    differentiable, reads = _differentiable_storage(trace, writes), _reads_by_storage(trace, writes)
     for writer in trace.bound_symbols:
         target = written_tensor(writer)
         if target is None or in_backward(writer) or writes.root(target) not in differentiable:
             continue
-        carriers = writes.carriers(writer)
-        for reader in trace.bound_symbols[writes.position(writer) + 1 :]:
-            if (
-                in_backward(reader)
-                or id(reader) not in used
-                or not (reads_values(reader) or reader is ret_bsym)
-            ):
-                continue
-            for p in reader.flat_proxy_args:
-                if (
-                    isinstance(p, TensorProxy)
-                    and (reader is not ret_bsym or p.name in outputs)
-                    and p.name not in carriers
-                    and writes.same_storage(p, target)
-                ):
-                    yield StaleRead(reader, p, writer)
+        at, carriers = writes.position(writer), writes.carriers(writer)
+        for read_at, reader, p in reads.get(writes.root(target), []):
+            if read_at > at and p.name not in carriers:
+                yield StaleRead(reader, p, writer)
