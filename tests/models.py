@@ -283,14 +283,17 @@ class SavedThenWritten(nn.Module):
 
 class WrittenThroughAnotherName(nn.Module):
     """h is written in place through one name of its storage and then read through another, as
-    ``way`` says: its slice written and h returned ("returned slice", the base read by b
-    ("flat view", "transposed view"), the slice returned beside a read of h ("slice and base"), or
-    a copy of a's weight written by row and read by F.linear ("weight row"). Thunder differentiates
-    those reads as if the write had not happened; it differentiates right a write through h itself
-    ("setitem") and the read of a reshape that copied (of a transposed h, "reshaped copy")."""
+    ``way`` says: its slice written and h returned ("returned slice"); a view written and h read by
+    b ("flat view", "raveled", which Thunder takes for a copy, "transposed view"); the slice
+    returned beside a read of h ("slice and base"); or a copy of a's weight written by row and read
+    by F.linear ("weight row"). Thunder differentiates
+    those reads as if the write had not happened. It differentiates right a write through h itself
+    ("setitem"), the read of a reshape that copied (of a transposed h, "reshaped copy"), a write
+    under no_grad ("no_grad write") or of the old values plus a number ("shifted"), whose
+    derivative eager takes to be the identity too, and a read that carries no gradient ("mask")."""
 
-    REFUSED = ("returned slice", "flat view", "transposed view", "slice and base", "weight row")
-    RIGHT = ("setitem", "reshaped copy")
+    REFUSED = ("returned slice", "flat view", "raveled", "transposed view", "slice and base", "weight row")
+    RIGHT = ("setitem", "reshaped copy", "no_grad write", "shifted", "mask")
 
     def __init__(self, way: str, dim: int = 64, **kw) -> None:
         super().__init__()
@@ -319,8 +322,16 @@ class WrittenThroughAnotherName(nn.Module):
             return self.b(t.t()), flat
         if self.way == "setitem":
             h[:, :8] = h[:, :8] * 3.0
+        elif self.way == "no_grad write":
+            with torch.no_grad():
+                h[:, :8].mul_(3.0)
+        elif self.way == "shifted":
+            h[:, :8].add_(1.5)
+        elif self.way == "mask":
+            h[:, :8].mul_(3.0)
+            return (self.b(x) * (h > 0),)
         else:
-            view = h.view(-1) if self.way == "flat view" else h.t()
+            view = {"flat view": h.view(-1), "raveled": h.ravel(), "transposed view": h.t()}[self.way]
             view[:8].mul_(3.0)
         return (self.b(h),)
 

@@ -78,8 +78,8 @@ PIPELINE: tuple[Pass, ...] = (
     ),
     Pass(
         "view_writes",
-        lambda trace, context: view_writes.order_returned_aliases(trace),
-        "an output returned under a name from before a write into its storage waits for the write",
+        lambda trace, context: view_writes.order_stale_reads(trace),
+        "a forward read of a tensor under a name from before a write into its storage (the return's, one through a view Thunder takes for a copy) waits for the write",
         "before stale_reads, which judges the reads of the outputs as returned",
         "the trace is Thunder's own, with its in-place writes functionalized into copies",
     ),

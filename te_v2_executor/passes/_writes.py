@@ -46,6 +46,13 @@ _VIEW_OPS = {
     "expand",
     "flatten",
     "stride_order",
+    # Thunder takes these for copies; PyTorch returns the input itself or a view of it (``ravel`` of
+    # a contiguous tensor, ``cpu`` of a CPU one), so a write through one reaches the input.
+    "ravel",
+    "cpu",
+    "resolve_neg",
+    "resolve_conj",
+    "unsafe_split",
 }
 
 

@@ -6,8 +6,11 @@ Thunder renames a written storage's aliases (``update_aliases``) before each op 
 after the write, so that the op waits for the write; it skips the trace's return. ``v = x * 2;
 y = l(v); v[:, :4].mul_(3); return y, v`` returns ``v`` under its name from before the write,
 which nothing orders after the write: Thunder's split into forward and backward put the write in
-the backward, and the returned ``v`` lacked it, silently. ``order_returned_aliases`` has such an
-output wait for the write, as the renamed readers do.
+the backward, and the returned ``v`` lacked it, silently; a write through a view of an input
+(``x[:, :4].mul_(3)``), which the return's list of inputs names from before the write, was lost
+the same way, with or without gradients, and so was one through a view Thunder takes for a copy
+(``ravel``). ``order_stale_reads`` has every such read wait for the write, as the renamed
+readers do.
 
 Thunder's gradient transform takes ``update_aliases`` to be the identity. The gradient of a value
 read through another name than the write's own then reaches what the storage held before the
@@ -23,6 +26,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+from thunder.core import utils
 from thunder.core.proxies import TensorProxy, variableify
 from thunder.core.pytree import tree_flatten, tree_map
 from thunder.core.symbol import BoundSymbol
@@ -37,17 +41,19 @@ from te_v2_executor.symbols import ORDERED, in_backward
 _FORWARD_OUTPUTS = {True: ("fw_flat_out",), False: ("output", "flat_output")}
 
 
-def _returned(trace: TraceCtx) -> tuple[dict, tuple[str, ...]]:
-    """The return's dictionary, and the keys of it that hold the forward's outputs."""
+def _returned(trace: TraceCtx, *, inputs: bool = False) -> tuple[dict, tuple[str, ...]]:
+    """The return's dictionary, and the keys of it that hold the forward's outputs (and, with
+    ``inputs``, its inputs as the call leaves them, ``flat_args``)."""
     ret = trace.bound_symbols[-1].args[0]
     if not isinstance(ret, dict):
         return {}, ()
-    return ret, tuple(k for k in _FORWARD_OUTPUTS["fw_flat_out" in ret] if k in ret)
+    keys = _FORWARD_OUTPUTS["fw_flat_out" in ret] + (("flat_args",) if inputs else ())
+    return ret, tuple(k for k in keys if k in ret)
 
 
-def _forward_outputs(trace: TraceCtx) -> list[TensorProxy]:
-    """The tensors the forward of ``trace`` returns (not its inputs, nor the gradients)."""
-    ret, keys = _returned(trace)
+def _forward_outputs(trace: TraceCtx, *, inputs: bool = False) -> list[TensorProxy]:
+    """The tensors the forward of ``trace`` returns (not the gradients; its inputs with ``inputs``)."""
+    ret, keys = _returned(trace, inputs=inputs)
     return [t for k in keys for t in tree_flatten(ret[k])[0] if isinstance(t, TensorProxy)]
 
 
@@ -57,38 +63,53 @@ def _forward_writes(writes: Writes, p: TensorProxy, before: int) -> list[BoundSy
     return [w for w in found if not in_backward(w)]
 
 
-def order_returned_aliases(trace: TraceCtx) -> TraceCtx:
-    """``trace`` with each output it returns under a name from before a write into its storage
-    returned through ``te_v2_ordered`` after the last such write, which it waits for."""
+def order_stale_reads(trace: TraceCtx) -> TraceCtx:
+    """``trace`` with each forward read of a tensor under a name from before a write into its
+    storage made through ``te_v2_ordered`` after the last such write, which it waits for.
+
+    Thunder renames a written storage's aliases before each op that reads one, but not in the
+    return (its outputs, and its inputs as ``flat_args`` lists them for the split and autograd:
+    ``x[:, :4].mul_(3)`` on an input was dropped) nor the aliases it takes for copies
+    (``h.ravel()[:8].mul_(3); b(h)``: b read h before the write, which the split then dropped)."""
     writes = Writes(trace)
-    end = len(trace.bound_symbols) - 1
-    swap: dict[Any, TensorProxy] = {}
+    ordered: dict[tuple[str, int], TensorProxy] = {}
     inserted: dict[int, list[BoundSymbol]] = {}
-    for p in _forward_outputs(trace):
-        written = _forward_writes(writes, p, end)
+
+    def waiting(p: TensorProxy, before: int) -> TensorProxy | None:
+        written = _forward_writes(writes, p, before)
         markers = [t for t in written[-1].flat_proxy_outs if isinstance(t, TensorProxy)] if written else []
-        if variableify(p) in swap or not markers:
+        if not markers:
+            return None
+        key = (p.name, writes.position(written[-1]))
+        if key not in ordered:
+            with tracectx(trace):
+                ordered[key] = TensorProxy(like=p)
+            inserted.setdefault(key[1] + 1, []).append(ORDERED.bind(p, markers[0], output=ordered[key]))
+        return ordered[key]
+
+    def swaps(tensors: list[TensorProxy], before: int) -> dict[Any, TensorProxy]:
+        return {variableify(p): q for p in tensors if (q := waiting(p, before)) is not None}
+
+    swapped: dict[int, BoundSymbol] = {}
+    for at, reader in enumerate(trace.bound_symbols[:-1]):
+        if in_backward(reader) or not reads_values(reader):
             continue
-        with tracectx(trace):
-            swap[variableify(p)] = TensorProxy(like=p)
-        inserted.setdefault(writes.position(written[-1]) + 1, []).append(
-            ORDERED.bind(p, markers[0], output=swap[variableify(p)])
-        )
-    if not swap:
-        return trace
+        if swap := swaps([p for p in reader.flat_proxy_args if isinstance(p, TensorProxy)], at):
+            swapped[id(reader)] = reader.from_bsym_swap_proxies(swap, skip_output=True)
     ret_bsym = trace.bound_symbols[-1]
-    ret, keys = _returned(trace)
-    renamed = {
-        k: tree_map(lambda v: swap.get(variableify(v), v) if isinstance(v, TensorProxy) else v, ret[k])
-        for k in keys
-    }
-    swapped = {id(ret_bsym): ret_bsym.from_bsym(args=({**ret, **renamed}, *ret_bsym.args[1:]))}
-    # The backward names an output's gradient by the output's name.
-    swapped.update(
-        (id(b), b.from_bsym_swap_proxies(swap, skip_output=True))
-        for b in trace.bound_symbols
-        if b.sym.name == "get_grad" and variableify(b.args[0]) in swap
-    )
+    if swap := swaps(_forward_outputs(trace, inputs=True), len(trace.bound_symbols) - 1):
+        ret, keys = _returned(trace, inputs=True)
+        renamed = {
+            k: tree_map(lambda v: swap.get(variableify(v), v) if isinstance(v, TensorProxy) else v, ret[k])
+            for k in keys
+        }
+        swapped[id(ret_bsym)] = ret_bsym.from_bsym(args=({**ret, **renamed}, *ret_bsym.args[1:]))
+        # The backward names an output's gradient by the output's name.
+        swapped.update(
+            (id(b), b.from_bsym_swap_proxies(swap, skip_output=True))
+            for b in trace.bound_symbols
+            if b.sym.name == "get_grad" and variableify(b.args[0]) in swap
+        )
     return replaced(trace, swapped, inserted=inserted)
 
 
@@ -128,6 +149,22 @@ def _used(trace: TraceCtx) -> set[int]:
     return used
 
 
+# Reads whose results carry no gradient (comparisons, indices): Thunder's gradient is right there.
+_NOT_DIFFERENTIABLE = frozenset(
+    {"eq", "ne", "lt", "le", "gt", "ge", "argmax", "argmin", "logical_not", "sign"}
+)
+
+
+def _shifts_by_a_constant(writer: BoundSymbol, target: TensorProxy, producers: Any) -> bool:
+    """Whether ``writer`` writes the target's old values plus or minus numbers (``h.add_(1.5)``):
+    the identity is its derivative, which is how Thunder differentiates it."""
+    source = producers.get(writer.args[0], None) if writer.sym.name == "copy_" else None
+    if source is None or source.sym.name not in ("add", "sub"):
+        return False
+    tensors = [a for a in source.flat_args if isinstance(a, TensorProxy)]
+    return len(tensors) == 1 and tensors[0].name == target.name and source.args[0] is tensors[0]
+
+
 def _reads_by_storage(
     trace: TraceCtx, writes: Writes
 ) -> dict[str, list[tuple[int, BoundSymbol, TensorProxy]]]:
@@ -137,7 +174,12 @@ def _reads_by_storage(
     outputs = {t.name for t in _forward_outputs(trace)}
     found: dict[str, list[tuple[int, BoundSymbol, TensorProxy]]] = {}
     for at, reader in enumerate(trace.bound_symbols):
-        if in_backward(reader) or id(reader) not in used or not (reads_values(reader) or reader is ret):
+        if (
+            in_backward(reader)
+            or id(reader) not in used
+            or reader.sym.name in _NOT_DIFFERENTIABLE
+            or not (reads_values(reader) or reader is ret)
+        ):
             continue
         for p in reader.flat_proxy_args:
             if isinstance(p, TensorProxy) and (reader is not ret or p.name in outputs):
@@ -148,11 +190,17 @@ def _reads_by_storage(
 def bypassed_writes(trace: TraceCtx) -> Iterator[StaleRead]:
     """The forward's reads, the return's included, of a written storage through a name that does
     not carry the write on (the written slice's base, another view), where a gradient may flow."""
-    writes = Writes(trace)
+    writes, producers = Writes(trace), utils.producers(trace)
     differentiable, reads = _differentiable_storage(trace, writes), _reads_by_storage(trace, writes)
     for writer in trace.bound_symbols:
         target = written_tensor(writer)
-        if target is None or in_backward(writer) or writes.root(target) not in differentiable:
+        if (
+            target is None
+            or in_backward(writer)
+            or writer.kwargs.get("grad_enabled") is False  # under no_grad: eager's gradient ignores it too
+            or writes.root(target) not in differentiable
+            or _shifts_by_a_constant(writer, target, producers)
+        ):
             continue
         at, carriers = writes.position(writer), writes.carriers(writer)
         for read_at, reader, p in reads.get(writes.root(target), []):

@@ -234,3 +234,44 @@ def test_what_thunder_differentiates_right_is_not_refused(way):
     the write is not in it: where they run, the storage check tells (no refusal)."""
     model = WrittenThroughAnotherName(way)
     assert_like_eager(model, torch.randn(32, 64), [make_te_v2(backend="reference")], grad=True, **TOLS)
+
+
+@pytest.mark.parametrize("grad", [True, False], ids=["train", "no_grad"])
+def test_an_input_written_through_a_view_is_written(grad):
+    """The return lists the inputs by their names from before a write through a view of one, so
+    Thunder's split left the write out: ``x[:, :4].mul_(3)`` did not reach x, silently."""
+    linear = nn.Linear(16, 16)
+
+    def write_into_a_slice(x: torch.Tensor) -> torch.Tensor:
+        y = linear(x)
+        x[:, :4].mul_(3.0)
+        return y
+
+    jitted = thunder.jit(write_into_a_slice, executors=[make_te_v2(backend="reference")])
+    x = torch.randn(8, 16)
+    expected_x = x.clone()
+    with torch.set_grad_enabled(grad):
+        torch.testing.assert_close(jitted(x), write_into_a_slice(expected_x), **TOLS)
+    torch.testing.assert_close(x, expected_x, rtol=0, atol=0)
+
+
+def test_a_region_input_written_through_a_view_is_returned_written():
+    """thunderfx gave the region ``v`` as an input (the splitter put its ``detach`` outside), so
+    the write through its slice was a write through a view of an input, and ``v`` came back
+    without it (Thunder alone raises there)."""
+
+    class DetachedRead(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.l = nn.Linear(16, 16)
+
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            v = x * 2
+            y = self.l(v.detach() * 1)
+            v[:, :4].mul_(3)
+            return y, v
+
+    model = DetachedRead()
+    assert_like_eager(
+        model, torch.randn(4, 16), [make_te_v2(backend="reference")], grad=False, jit=thunderfx, **TOLS
+    )
