@@ -32,7 +32,7 @@ from thunder.core.pytree import tree_flatten, tree_map
 from thunder.core.symbol import BoundSymbol
 from thunder.core.trace import TraceCtx, tracectx
 
-from te_v2_executor.passes._trace import replaced
+from te_v2_executor.passes._trace import is_cast, replaced
 from te_v2_executor.passes._writes import StaleRead, Writes, reads_values, written_tensor
 from te_v2_executor.symbols import ORDERED, in_backward
 
@@ -155,14 +155,29 @@ _NOT_DIFFERENTIABLE = frozenset(
 )
 
 
+def _before_casts(p: Any, producers: Any) -> tuple[Any, BoundSymbol | None]:
+    """``p`` before the dtype conversions that made it, and the bound symbol that made that."""
+    made = producers.get(p, None)
+    while is_cast(made):
+        p = made.args[0]
+        made = producers.get(p, None)
+    return p, made
+
+
 def _shifts_by_a_constant(writer: BoundSymbol, target: TensorProxy, producers: Any) -> bool:
-    """Whether ``writer`` writes the target's old values plus or minus numbers (``h.add_(1.5)``):
-    the identity is its derivative, which is how Thunder differentiates it."""
-    source = producers.get(writer.args[0], None) if writer.sym.name == "copy_" else None
+    """Whether ``writer`` writes the target's old values plus or minus numbers (``h.add_(1.5)``,
+    in a wider dtype too): the identity is its derivative, which is how Thunder differentiates it."""
+    if writer.sym.name != "copy_":
+        return False
+    _, source = _before_casts(writer.args[0], producers)
     if source is None or source.sym.name not in ("add", "sub"):
         return False
     tensors = [a for a in source.flat_args if isinstance(a, TensorProxy)]
-    return len(tensors) == 1 and tensors[0].name == target.name and source.args[0] is tensors[0]
+    return (
+        len(tensors) == 1
+        and source.args[0] is tensors[0]
+        and _before_casts(tensors[0], producers)[0].name == target.name
+    )
 
 
 def _reads_by_storage(
