@@ -206,15 +206,30 @@ LINEAR_WGRAD = ops.register_operator("te_v2_linear_wgrad", meta=_linear_wgrad_me
 # ---- linears the claim policy keeps out of FP8, run unquantized (``backends/unquantized.py``) -
 # ``site`` names the call site, as ``state`` does for an FP8 linear: it ties the three symbols
 # of one linear together for ``explain``. ``accumulate_into`` as for ``te_v2_linear_dgrad``
-# (``passes/sums.py``); ``scale`` multiplies the product (``passes/scales.py``).
+# (``passes/sums.py``); ``scale`` multiplies the product (``passes/scales.py``). One operand may
+# be bfloat16 where the other is float32 (``passes/narrowings.py``): the product is then float32.
+
+
+def _product_dtype(a: TensorProxy, b: TensorProxy) -> dtypes.dtype:
+    """The dtype of the product of ``a`` and ``b``: theirs, or float32 for bfloat16 and float32."""
+    if a.dtype == b.dtype:
+        return a.dtype
+    utils.check(
+        {dtypes.to_torch_dtype(a.dtype), dtypes.to_torch_dtype(b.dtype)} == {torch.bfloat16, torch.float32},
+        lambda: (
+            f"te_v2: an unquantized GEMM multiplies {a.dtype} by {b.dtype}; only bfloat16 by "
+            "float32 mixes dtypes"
+        ),
+    )
+    return dtypes.float32
 
 
 def _unquantized_fwd_meta(x, w, bias, accumulate_into=None, *, site, scale=1.0):
     utils.check(
-        bias is None or (accumulate_into is None and scale == 1),
-        lambda: "te_v2: an accumulating or scaled linear takes no bias",
+        bias is None or (accumulate_into is None and scale == 1 and x.dtype == w.dtype),
+        lambda: "te_v2: an accumulating, scaled or mixed-dtype linear takes no bias",
     )
-    return TensorProxy(like=x, shape=(*x.shape[:-1], w.shape[0]))
+    return TensorProxy(like=x, shape=(*x.shape[:-1], w.shape[0]), dtype=_product_dtype(x, w))
 
 
 def _unquantized_fwd_impl(x, w, bias, accumulate_into=None, *, site, scale=1.0):
@@ -227,7 +242,7 @@ UNQUANTIZED_FWD = ops.register_operator(
 
 
 def _unquantized_dgrad_meta(dy, w, accumulate_into=None, *, site, input_shape, scale=1.0):
-    return TensorProxy(like=dy, shape=tuple(input_shape))
+    return TensorProxy(like=dy, shape=tuple(input_shape), dtype=_product_dtype(dy, w))
 
 
 def _unquantized_dgrad_impl(dy, w, accumulate_into=None, *, site, input_shape, scale=1.0):
@@ -240,7 +255,7 @@ UNQUANTIZED_DGRAD = ops.register_operator(
 
 
 def _unquantized_wgrad_meta(dy, x, *, site, scale=1.0):
-    return TensorProxy(like=dy, shape=(dy.shape[-1], x.shape[-1]))
+    return TensorProxy(like=dy, shape=(dy.shape[-1], x.shape[-1]), dtype=_product_dtype(dy, x))
 
 
 def _unquantized_wgrad_impl(dy, x, *, site, scale=1.0):

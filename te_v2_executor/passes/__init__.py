@@ -25,6 +25,7 @@ from te_v2_executor.passes import (
     dead_writes,
     gelu,
     handback,
+    narrowings,
     recasts,
     recompute_guard,
     scales,
@@ -164,6 +165,16 @@ PIPELINE: tuple[Pass, ...] = (
         "a sum folds into the GEMM of one summand (beta = 1)",
         "after merging and scales, which change who reads what",
         "each summand's readers are final",
+        optional=True,
+    ),
+    Pass(
+        "narrowings",
+        lambda trace, context: narrowings.narrow_operands(trace),
+        "unquantized GEMMs read the bfloat16 tensor a float32 widening was cast from, where their "
+        "other operand is a smaller float32 tensor (peft's float32 adapters)",
+        "after scales and sums, which decide the operands each unquantized GEMM reads; before "
+        "widenings, which then has no float32 copy of those tensors to recompute",
+        "the unquantized GEMMs read their final operands",
         optional=True,
     ),
     Pass(

@@ -64,6 +64,7 @@ def test_the_optional_passes_are_the_folds():
         "round_trips",
         "scales",
         "sums",
+        "narrowings",
         "gelus",
         "swiglus",
         "activation_handback",
