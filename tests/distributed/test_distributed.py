@@ -21,7 +21,7 @@ from tests.distributed.worker import STEPS
 from tests.gpu.common import FP8_TOLS
 
 WORLD = 2
-WRAPPERS = ("thunder_ddp", "fsdp_zero2", "fsdp_zero3", "torch_ddp")
+WRAPPERS = ("thunder_ddp", "fsdp_zero2", "fsdp_zero3", "torch_ddp", "fsdp2")
 SCENARIOS = [f"{w}-{m}" for w in WRAPPERS for m in ("full", "lora")]
 ROOT = Path(__file__).resolve().parents[2]
 LAUNCH_TIMEOUT_S = 480

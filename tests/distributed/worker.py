@@ -3,8 +3,10 @@
     torchrun --nproc_per_node=2 -m tests.distributed.worker --out DIR [--device cpu] SCENARIO...
 
 A scenario is ``<wrapper>-<model>``: wrapper ``thunder_ddp``, ``fsdp_zero2``, ``fsdp_zero3``,
-``torch_ddp`` (torch's DistributedDataParallel around the ``thunder.jit`` module) or
-``builtin_ddp`` (Thunder's built-in TE executor under ``thunder_ddp``, for contrast); model
+``torch_ddp`` (torch's DistributedDataParallel around the ``thunder.jit`` module), ``fsdp2``
+(torch's ``fully_shard`` on every layer and the model, compiled by ``thunderfx``: one Thunder
+region per layer, each step inside ``quantization_update_scope``) or ``builtin_ddp`` (Thunder's
+built-in TE executor under ``thunder_ddp``, for contrast); model
 ``full`` (every linear trained) or ``lora`` (frozen base, trainable rank-16 adapters). Each
 rank trains STEPS SGD steps on its slice of one global batch, after a single-process run of the
 same model on the whole batch, and writes what the tests compare to ``DIR/<scenario>.rank<r>.pt``.
@@ -17,13 +19,13 @@ group; with ``--device cpu`` on gloo and the reference backend (no autocast: the
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import os
 import sys
 import traceback
 from collections import Counter
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +36,8 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from benchmarks.measure import gemm_count, kernel_names
-from te_v2_executor import delayed_scaling, explain, make_te_v2
+from te_v2_executor import delayed_scaling, explain, make_te_v2, quantization_update_scope
+from te_v2_executor.compiled import compiled_functions
 from tests.helpers import CLAIM_ALL
 from tests.models import LoRAStack, Stack
 
@@ -86,7 +89,7 @@ class Run:
             ]
         }
 
-    @contextmanager
+    @contextlib.contextmanager
     def fp8(self, *, distributed: bool) -> Iterator[None]:
         if not self.cuda:
             yield
@@ -100,7 +103,7 @@ class Run:
         ):
             yield
 
-    @contextmanager
+    @contextlib.contextmanager
     def counting_amax_all_reduces(self) -> Iterator[None]:
         """Counts all_reduce(MAX) calls on the amax group (te_v2 and TE both reduce amaxes so)."""
         original = dist.all_reduce
@@ -118,9 +121,16 @@ class Run:
 
 
 def train(
-    fn: Callable, params: Callable[[], list[torch.nn.Parameter]], batches, run: Run, *, distributed: bool
+    fn: Callable,
+    params: Callable[[], list[torch.nn.Parameter]],
+    batches,
+    run: Run,
+    *,
+    distributed: bool,
+    scoped: bool = False,
 ):
-    """STEPS steps of SGD on ``fn``; the loss of each, and the amax all-reduces of each.
+    """STEPS steps of SGD on ``fn``; the loss of each, and the amax all-reduces of each. With
+    ``scoped``, each step's forward and backward run inside one ``quantization_update_scope``.
 
     The loss sums over tokens, so dy is the same on a rank's slice as in the single-process run
     (a mean would scale it by the world size and quantize it differently); the single-process
@@ -129,9 +139,10 @@ def train(
     losses, calls = [], []
     for x in batches:
         run.amax_calls.clear()
-        with run.fp8(distributed=distributed):
-            loss = fn(x).float().square().sum()
-        loss.backward()
+        with quantization_update_scope() if scoped else contextlib.nullcontext():
+            with run.fp8(distributed=distributed):
+                loss = fn(x).float().square().sum()
+            loss.backward()
         with torch.no_grad():
             for p in params():
                 if p.grad is not None:
@@ -144,6 +155,8 @@ def train(
 
 def wrap(wrapper: str, model: torch.nn.Module, run: Run) -> tuple[Callable, Any, Callable]:
     """(callable to step, the ThunderModule whose traces explain reads, its parameters)."""
+    if wrapper == "fsdp2":
+        return fully_sharded(model, run)
     builtin = wrapper == "builtin_ddp"
     jitted = thunder.jit(model, **run.executors(builtin, distributed=True))
     if wrapper in ("thunder_ddp", "builtin_ddp"):
@@ -160,6 +173,36 @@ def wrap(wrapper: str, model: torch.nn.Module, run: Run) -> tuple[Callable, Any,
     return ddp, jitted, lambda: list(jitted.parameters())
 
 
+def fully_sharded(model: torch.nn.Module, run: Run) -> tuple[Callable, Any, Callable]:
+    """``model`` with ``fully_shard`` on each LoRA layer and on itself, compiled by ``thunderfx``.
+    A ``Stack``'s layers are bare linears, which Dynamo runs outside its graphs once they are
+    sharded on their own, so only the whole model is."""
+    from thunder.dynamo import thunderfx
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(run.device.type, (run.world,))
+    for layer in [] if isinstance(model, Stack) else model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    compiled = thunderfx(model, **run.executors(distributed=True))
+    return compiled, compiled, lambda: list(model.parameters())
+
+
+def local(p: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``p``: an FSDP2 parameter's shard, or ``p``."""
+    return p.to_local() if hasattr(p, "to_local") else p
+
+
+def linear_reports(module: Any) -> list[tuple[str, Any]]:
+    """(name, report row) of every te_v2 linear of ``module``'s Thunder functions, each name
+    prefixed with its function's position (the regions of a ``thunderfx`` object name their
+    weights alike)."""
+    return [
+        (f"{i}.{r.name}", r) for i, fn in enumerate(compiled_functions(module)) for r in explain(fn).linears
+    ]
+
+
 def distributed_step_gemms(fn: Callable, x: torch.Tensor, run: Run) -> int:
     """GEMM kernels one distributed forward+backward step launches on this rank."""
 
@@ -174,14 +217,14 @@ def distributed_step_gemms(fn: Callable, x: torch.Tensor, run: Run) -> int:
 def quant_state(module: Any) -> dict[str, Any]:
     """Every te_v2 linear's amax histories and scales, both directions."""
     found = {}
-    for r in explain(module).linears:
+    for name, r in linear_reports(module):
         if not r.claimed:
             continue
         for direction, forward in (("fwd", True), ("bwd", False)):
             scaling = r.state.scaling(forward=forward)
             if scaling is not None:
-                found[f"{r.name}.{direction}.amax_history"] = scaling.amax_history.detach().cpu().clone()
-                found[f"{r.name}.{direction}.scale"] = scaling.scale.detach().cpu().clone()
+                found[f"{name}.{direction}.amax_history"] = scaling.amax_history.detach().cpu().clone()
+                found[f"{name}.{direction}.scale"] = scaling.scale.detach().cpu().clone()
     return found
 
 
@@ -202,15 +245,19 @@ def scenario(name: str, run: Run, out: Path) -> None:
     model = run.model(kind)
     fn, module, params = wrap(wrapper, model, run)
     with run.counting_amax_all_reduces():
-        losses, calls = train(fn, params, [x[mine] for x in batches], run, distributed=True)
+        losses, calls = train(
+            fn, params, [x[mine] for x in batches], run, distributed=True, scoped=wrapper == "fsdp2"
+        )
     gathered = [None] * run.world
     dist.all_gather_object(gathered, losses)
     result["losses"] = [torch.stack(per_rank).sum(0) for per_rank in zip(*gathered, strict=True)]
     result["amax_all_reduces"] = calls
-    result["weights"] = {n: p.detach().cpu() for n, p in module.named_parameters()}
+    result["weights"] = {
+        n: local(p).detach().cpu() for n, p in (model if wrapper == "fsdp2" else module).named_parameters()
+    }
     if wrapper != "builtin_ddp":
         result["quant_state"] = quant_state(module)
-        result["report"] = [(r.name, r.claimed, r.dgrad, r.wgrad) for r in explain(module).linears]
+        result["report"] = [(name, r.claimed, r.dgrad, r.wgrad) for name, r in linear_reports(module)]
         result["report_text"] = str(explain(module))
     if run.cuda:
         result["gemm_kernels"] = distributed_step_gemms(fn, batches[0][mine], run)
