@@ -4,8 +4,9 @@
 
 A scenario is ``<wrapper>-<model>``: wrapper ``thunder_ddp``, ``fsdp_zero2``, ``fsdp_zero3``,
 ``torch_ddp`` (torch's DistributedDataParallel around the ``thunder.jit`` module), ``fsdp2``
-(torch's ``fully_shard`` on every layer and the model, compiled by ``thunderfx``: one Thunder
-region per layer, each step inside ``quantization_update_scope``) or ``builtin_ddp`` (Thunder's
+(torch's ``fully_shard`` on every layer and the model, compiled by ``thunderfx``, each step inside
+``quantization_update_scope``: with two layers, one Thunder region each; a third layer would reuse
+the second's region, and its delayed-scaling state, docs/usage.md) or ``builtin_ddp`` (Thunder's
 built-in TE executor under ``thunder_ddp``, for contrast); model
 ``full`` (every linear trained) or ``lora`` (frozen base, trainable rank-16 adapters). Each
 rank trains STEPS SGD steps on its slice of one global batch, after a single-process run of the

@@ -49,7 +49,14 @@ def _adapter_gemms() -> dict[str, tuple]:
     }
 
 
-@pytest.mark.parametrize("case", list(_adapter_gemms()))
+CASES = ["x @ A^T", "x @ A^T, scaled into a buffer", "dy @ B", "dy^T @ h", "dh^T @ x"]
+
+
+def test_the_cases_are_the_adapter_gemms():
+    assert list(_adapter_gemms()) == CASES
+
+
+@pytest.mark.parametrize("case", CASES)
 def test_the_mixed_product_is_as_accurate_as_cublas_float32(case):
     torch.backends.cuda.matmul.allow_tf32 = False
     fn, args, kwargs, widened = _adapter_gemms()[case]
