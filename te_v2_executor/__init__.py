@@ -23,6 +23,7 @@ from te_v2_executor.report import LinearReport, Report, explain
 from te_v2_executor.state import (
     LinearQuantState,
     StateKey,
+    TEv2SharedStateWarning,
     load_quantization_state_dict,
     quantization_state_dict,
     quantization_update_scope,
@@ -42,6 +43,7 @@ __all__ = [
     "TEv2Executor",
     "TEv2FallbackWarning",
     "TEv2PerformanceWarning",
+    "TEv2SharedStateWarning",
     "block_scaling",
     "current_scaling",
     "delayed_scaling",

@@ -20,6 +20,7 @@ import collections
 import contextlib
 import dataclasses
 import functools
+import warnings
 from collections.abc import Iterable, Iterator
 from typing import Any, NamedTuple
 
@@ -147,11 +148,19 @@ _CAPTURE_REFUSED = (
 )
 
 
+class TEv2SharedStateWarning(UserWarning):
+    """One compiled region's linears quantize for several layers with one delayed-scaling state."""
+
+
 class SyncGroup:
     """The delayed-scaling states one sync symbol updates, all of one recipe and direction.
 
     ``replayed``: forward states whose linears the backward recomputes; the forward flush first
     snapshots their scales so the recompute quantizes as the original forward did.
+    ``backward``: a forward group's partner, the backward group of the same trace. Two backwards
+    with no forward between them are those of a region that ran for several forwards first: one
+    Dynamo reuses for several layers, whose linears then share their states
+    (``TEv2SharedStateWarning``).
     """
 
     def __init__(
@@ -160,10 +169,14 @@ class SyncGroup:
         *,
         forward: bool,
         replayed: tuple[LinearQuantState, ...] = (),
+        backward: SyncGroup | None = None,
     ) -> None:
         self.states = states
         self.forward = forward
         self.replayed = replayed
+        self.backward = backward
+        self.after_backward = False  # a backward group's last flush came after no forward
+        self.warned = False
 
     def __repr__(self) -> str:
         direction = "forward" if self.forward else "backward"
@@ -181,6 +194,7 @@ class SyncGroup:
         capture (see ``te_v2_executor.cuda_graphs``)."""
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             raise RuntimeError(_CAPTURE_REFUSED)
+        self._note_pass()
         if self.forward:
             group = autocast.amax_group(self.states[0].backend)
             for s in self.states:
@@ -189,6 +203,30 @@ class SyncGroup:
             _deferred.add(self.states, forward=self.forward)
         else:
             update_delayed_scaling(self.states, forward=self.forward)
+
+    def _note_pass(self) -> None:
+        """Note a forward on the partner backward group; at a backward that follows another with
+        no forward between them, warn once."""
+        if self.forward:
+            if self.backward is not None:
+                self.backward.after_backward = False
+            return
+        if self.after_backward and not self.warned:
+            self.warned = True
+            sites = ", ".join(s.key.site for s in self.states[:3])
+            warnings.warn(
+                f"te_v2: a compiled region ran its backward twice with no forward between, so its "
+                f"linears ({sites}{', ...' if len(self.states) > 3 else ''}) quantized for several "
+                "forwards with one delayed-scaling state. If those forwards were different layers "
+                "(Dynamo reuses one region for every layer whose code and guards match: torch's "
+                "fully_shard per layer, regional compilation), the layers share their amax "
+                "histories and scales, where te.Linear keeps one per layer: use current scaling "
+                "(make_te_v2(recipe=current_scaling())), or compile the model whole. Calls of the "
+                "same weights (a module applied twice in one step) share them as te.Linear's do",
+                TEv2SharedStateWarning,
+                stacklevel=3,
+            )
+        self.after_backward = True
 
 
 def update_delayed_scaling(states: Iterable[LinearQuantState], *, forward: bool) -> None:

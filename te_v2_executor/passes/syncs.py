@@ -102,12 +102,12 @@ def insert_syncs(trace: TraceCtx, *, grad_enabled: bool) -> TraceCtx:
     joint = "fw_flat_out" in ret.args[0]
     grads = returned_grads(trace)
     forward_states = _delayed_states(trace, LINEAR_FWD)
+    backward_states = _delayed_states(trace, QUANTIZE_GRAD_OUTPUT)
+    backward = SyncGroup(backward_states, forward=False) if grads and backward_states else None
     if forward_states and (grads or (grad_enabled and not joint)):
         replayed = _delayed_states(trace, LINEAR_FWD, recomputed=True)
-        trace = _insert_forward_sync(trace, SyncGroup(forward_states, forward=True, replayed=replayed))
-    backward_states = _delayed_states(trace, QUANTIZE_GRAD_OUTPUT)
-    if grads and backward_states:
-        trace = before_return(
-            trace, BACKWARD_SYNC.bind(*grads, group=SyncGroup(backward_states, forward=False), output=None)
-        )
+        group = SyncGroup(forward_states, forward=True, replayed=replayed, backward=backward)
+        trace = _insert_forward_sync(trace, group)
+    if backward is not None:
+        trace = before_return(trace, BACKWARD_SYNC.bind(*grads, group=backward, output=None))
     return trace
