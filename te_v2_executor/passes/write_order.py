@@ -46,9 +46,43 @@ def _ancestors(bsym: BoundSymbol, producers: Any) -> set[int]:
     return found
 
 
+def _wait_later_readers(
+    at: int, writer: BoundSymbol, target: TensorProxy, context: tuple, trace: TraceCtx
+) -> None:
+    """Have each later reader of ``writer``'s storage in the same half of the trace that does not
+    depend on the write read through ``te_v2_ordered`` waiting for it: once the write waits for
+    te_v2's readers, a fuser ordering by data alone could otherwise move a later reader, which
+    Thunder links to the write by trace order only (``update_aliases`` of an older name), before
+    the write (``v.add_(x); x.mul_(0.5)`` with v a view of x halved the unwritten x)."""
+    writes, swapped, inserted = context
+    order = trace.bound_symbols
+    after_write = {variableify(o) for o in writer.flat_proxy_outs}
+    marker = _marker(writer)
+    for position in range(at + 1, len(order) - 1):
+        reader = swapped.get(id(order[position]), order[position])
+        args = [p for p in reader.flat_proxy_args if isinstance(p, TensorProxy)]
+        if any(variableify(p) in after_write for p in reader.flat_proxy_args):
+            after_write.update(variableify(o) for o in reader.flat_proxy_outs)
+            continue
+        stale = [p for p in args if writes.same_storage(p, target)]
+        if not stale or in_backward(reader) != in_backward(writer) or marker is None:
+            continue
+        swap = {}
+        for p in {variableify(p): p for p in stale}.values():
+            with tracectx(trace):
+                through = TensorProxy(like=p)
+            wait = ORDERED.bind(p, marker, output=through)
+            if in_backward(reader):
+                wait.tags.add(BoundSymbolTag.BACKWARD)
+            inserted.setdefault(position, []).append(wait)
+            swap[variableify(p)] = through
+        swapped[id(order[position])] = reader.from_bsym_swap_proxies(swap, skip_output=True)
+        after_write.update(variableify(o) for o in reader.flat_proxy_outs)
+
+
 def order_writes(trace: TraceCtx) -> TraceCtx:
     """Have each write into a tensor wait for the earlier readers of its storage it does not
-    already depend on."""
+    already depend on, and then each later reader of it wait for the write."""
     writes, producers = Writes(trace), utils.producers(trace)
     order = trace.bound_symbols
     swapped: dict[int, BoundSymbol] = {}
@@ -76,4 +110,5 @@ def order_writes(trace: TraceCtx) -> TraceCtx:
             wait.tags.add(BoundSymbolTag.BACKWARD)
         inserted.setdefault(at, []).append(wait)
         swapped[id(writer)] = writer.from_bsym_swap_proxies({variableify(target): through}, skip_output=True)
+        _wait_later_readers(at, writer, target, (writes, swapped, inserted), trace)
     return replaced(trace, swapped, inserted=inserted)

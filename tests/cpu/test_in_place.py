@@ -275,3 +275,35 @@ def test_a_region_input_written_through_a_view_is_returned_written():
     assert_like_eager(
         model, torch.randn(4, 16), [make_te_v2(backend="reference")], grad=False, jit=thunderfx, **TOLS
     )
+
+
+class _WriteThroughAViewThenThroughTheTensor(nn.Module):
+    """``v`` is ``x`` (a dropout of probability 0 returns a view); ``v.add_(x)`` doubles ``x``,
+    which ``x.mul_(0.5)`` then halves back (fuzz seed 6001, program 134)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1 = nn.Linear(32, 16, bias=False).requires_grad_(False)
+        self.l2 = nn.Linear(16, 16, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        v = nn.functional.dropout(x, p=0.0)
+        h = self.l1(v)
+        v.add_(x)
+        y = self.l2(h)
+        x.mul_(0.5)
+        return y
+
+
+def test_a_read_after_a_write_that_waits_for_te_v2_waits_for_the_write():
+    """The first write waits for the te_v2 GEMM that read x before it; the second write's read of
+    x, which Thunder ties to the first by trace order only, went into a region before the first
+    write under dataflow fusion: x came out halved instead of unchanged."""
+    te_v2 = make_te_v2(backend="reference", recipe=current_scaling(), claim=ClaimPolicy(min_features=512))
+    model = _WriteThroughAViewThenThroughTheTensor()
+    jitted = thunder.jit(model, executors=[te_v2, torch_compile_ex], fusion_type="dataflow")
+    x = torch.randn(64, 32)
+    expected_x, actual_x = x.clone(), x.clone()
+    expected = model(expected_x)
+    torch.testing.assert_close(jitted(actual_x), expected, rtol=0, atol=0)
+    torch.testing.assert_close(actual_x, expected_x, rtol=0, atol=0)
