@@ -103,8 +103,10 @@ def _in_place_name(name: str) -> bool:
 
 def written_tensor(bsym: BoundSymbol) -> TensorProxy | None:
     """The existing tensor ``bsym`` writes into, or None: ``copy_``'s destination, an in-place op's
-    first tensor argument, a te_v2 GEMM's ``accumulate_into``."""
-    if bsym.sym.name == "copy_":
+    first tensor argument, a te_v2 GEMM's ``accumulate_into``. ``prims.copy_(src, dst)`` writes its
+    second argument; ``Tensor.copy_`` (``ltorch.copy_(dst, src)``) its first, as the
+    ``prims.copy_`` it decomposes into says."""
+    if bsym.sym.id == prims.PrimIDs.COPY_:
         return bsym.args[1]
     at = ACCUMULATE_ARG.get(bsym.sym)
     if at is not None:
@@ -112,6 +114,8 @@ def written_tensor(bsym: BoundSymbol) -> TensorProxy | None:
         return found if isinstance(found, TensorProxy) else None
     if bsym.subsymbols and bsym.subsymbols[-1].sym.name == "copy_":
         return bsym.subsymbols[-1].args[1]
+    if bsym.sym.name == "copy_":  # an executor's prims.copy_, in the prim's order
+        return bsym.args[1]
     tags = bsym.sym.tags or ()
     if prims.OpTags.IN_PLACE in tags or _in_place_name(bsym.sym.name):
         args = _tensors(bsym.flat_args)

@@ -307,3 +307,31 @@ def test_a_read_after_a_write_that_waits_for_te_v2_waits_for_the_write():
     expected = model(expected_x)
     torch.testing.assert_close(jitted(actual_x), expected, rtol=0, atol=0)
     torch.testing.assert_close(actual_x, expected_x, rtol=0, atol=0)
+
+
+class _CopyIntoAnActivationReadBefore(nn.Module):
+    """``v.copy_(x)`` writes v, not x: the write must wait for ``l0(v)``, which the shape rule
+    leaves to Thunder (24 outputs) and the fuser then put after the write (fuzz seed 6001,
+    program 402)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l0 = nn.Linear(64, 24, bias=False).requires_grad_(False)
+        self.l1 = nn.Linear(64, 16, bias=False).requires_grad_(False)
+        self.l2 = nn.Linear(16, 24, bias=False).requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        doubled = x + x
+        x.mul_(-1.0)
+        v = nn.functional.silu(doubled) * x
+        y = self.l0(v)
+        v.copy_(x)
+        return y + self.l2(self.l1(v))
+
+
+def test_tensor_copy_writes_its_first_argument():
+    te_v2 = make_te_v2(backend="reference", recipe=current_scaling(), claim=ClaimPolicy(min_features=512))
+    model = _CopyIntoAnActivationReadBefore()
+    jitted = thunder.jit(model, executors=[te_v2, torch_compile_ex], fusion_type="dataflow")
+    x = torch.randn(4, 8, 64)
+    torch.testing.assert_close(jitted(x.clone()), model(x.clone()), rtol=1e-5, atol=1e-5)
