@@ -9,11 +9,11 @@ from typing import Any
 import torch
 from thunder.core import dtypes, utils
 from thunder.core.proxies import TensorProxy
-from thunder.core.symbol import BoundSymbol
-from thunder.core.trace import TraceCtx, from_trace
+from thunder.core.symbol import BoundSymbol, BoundSymbolTag
+from thunder.core.trace import TraceCtx, from_trace, tracectx
 
 from te_v2_executor.passes._writes import Writes
-from te_v2_executor.symbols import ACCUMULATE_ARG, UNQUANTIZED_FWD, arg, in_backward
+from te_v2_executor.symbols import ACCUMULATE_ARG, ORDERED, UNQUANTIZED_FWD, arg, in_backward
 
 # A fold a pass may make: (the bound symbols it absorbs, the one that replaces the last of them),
 # optionally followed by other bound symbols whose reads the replacement takes over while they
@@ -101,6 +101,19 @@ def fold(trace: TraceCtx, folds: Callable[[BoundSymbol, Any, Any], Iterator[Fold
                 dropped.update(map(id, absorbed))
                 break
     return replaced(trace, swapped, dropped)
+
+
+def ordered_read(
+    trace: TraceCtx, p: TensorProxy, markers: list[Any], *, backward: bool = False
+) -> tuple[BoundSymbol, TensorProxy]:
+    """``te_v2_ordered(p, *markers)``, tagged as the backward's where ``backward``, and the name
+    under which its readers read ``p`` once the markers exist."""
+    with tracectx(trace):
+        through = TensorProxy(like=p)
+    wait = ORDERED.bind(p, *markers, output=through)
+    if backward:
+        wait.tags.add(BoundSymbolTag.BACKWARD)
+    return wait, through
 
 
 def returned_grads(trace: TraceCtx) -> list[TensorProxy]:

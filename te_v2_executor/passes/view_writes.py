@@ -30,11 +30,11 @@ from thunder.core import utils
 from thunder.core.proxies import TensorProxy, variableify
 from thunder.core.pytree import tree_flatten, tree_map
 from thunder.core.symbol import BoundSymbol
-from thunder.core.trace import TraceCtx, tracectx
+from thunder.core.trace import TraceCtx
 
-from te_v2_executor.passes._trace import is_cast, replaced
+from te_v2_executor.passes._trace import is_cast, ordered_read, replaced
 from te_v2_executor.passes._writes import StaleRead, Writes, reads_values, written_tensor
-from te_v2_executor.symbols import ORDERED, in_backward
+from te_v2_executor.symbols import in_backward
 
 # The keys of a trace's return that hold what the forward returns: a joint trace's ``output``
 # holds the gradients instead.
@@ -82,9 +82,8 @@ def order_stale_reads(trace: TraceCtx) -> TraceCtx:
             return None
         key = (p.name, writes.position(written[-1]))
         if key not in ordered:
-            with tracectx(trace):
-                ordered[key] = TensorProxy(like=p)
-            inserted.setdefault(key[1] + 1, []).append(ORDERED.bind(p, markers[0], output=ordered[key]))
+            wait, ordered[key] = ordered_read(trace, p, markers[:1])
+            inserted.setdefault(key[1] + 1, []).append(wait)
         return ordered[key]
 
     def swaps(tensors: list[TensorProxy], before: int) -> dict[Any, TensorProxy]:

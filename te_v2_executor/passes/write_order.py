@@ -18,12 +18,12 @@ from typing import Any
 
 from thunder.core import utils
 from thunder.core.proxies import Proxy, TensorProxy, variableify
-from thunder.core.symbol import BoundSymbol, BoundSymbolTag
-from thunder.core.trace import TraceCtx, tracectx
+from thunder.core.symbol import BoundSymbol
+from thunder.core.trace import TraceCtx
 
-from te_v2_executor.passes._trace import replaced
+from te_v2_executor.passes._trace import ordered_read, replaced
 from te_v2_executor.passes._writes import Writes, reads_values, written_tensor
-from te_v2_executor.symbols import ORDERED, in_backward
+from te_v2_executor.symbols import in_backward
 
 
 def _marker(bsym: BoundSymbol) -> Proxy | None:
@@ -55,27 +55,27 @@ def _wait_later_readers(
     Thunder links to the write by trace order only (``update_aliases`` of an older name), before
     the write (``v.add_(x); x.mul_(0.5)`` with v a view of x halved the unwritten x)."""
     writes, swapped, inserted = context
+    marker = _marker(writer)
+    if marker is None:
+        return
     order = trace.bound_symbols
     after_write = {variableify(o) for o in writer.flat_proxy_outs}
-    marker = _marker(writer)
     for position in range(at + 1, len(order) - 1):
         reader = swapped.get(id(order[position]), order[position])
-        args = [p for p in reader.flat_proxy_args if isinstance(p, TensorProxy)]
         if any(variableify(p) in after_write for p in reader.flat_proxy_args):
             after_write.update(variableify(o) for o in reader.flat_proxy_outs)
             continue
-        stale = [p for p in args if writes.same_storage(p, target)]
-        if not stale or in_backward(reader) != in_backward(writer) or marker is None:
+        stale = {
+            variableify(p): p
+            for p in reader.flat_proxy_args
+            if isinstance(p, TensorProxy) and writes.same_storage(p, target)
+        }
+        if not stale or in_backward(reader) != in_backward(writer):
             continue
         swap = {}
-        for p in {variableify(p): p for p in stale}.values():
-            with tracectx(trace):
-                through = TensorProxy(like=p)
-            wait = ORDERED.bind(p, marker, output=through)
-            if in_backward(reader):
-                wait.tags.add(BoundSymbolTag.BACKWARD)
+        for key, p in stale.items():
+            wait, swap[key] = ordered_read(trace, p, [marker], backward=in_backward(reader))
             inserted.setdefault(position, []).append(wait)
-            swap[variableify(p)] = through
         swapped[id(order[position])] = reader.from_bsym_swap_proxies(swap, skip_output=True)
         after_write.update(variableify(o) for o in reader.flat_proxy_outs)
 
@@ -103,11 +103,7 @@ def order_writes(trace: TraceCtx) -> TraceCtx:
         ]
         if not markers:
             continue
-        with tracectx(trace):
-            through = TensorProxy(like=target)
-        wait = ORDERED.bind(target, *markers, output=through)
-        if in_backward(writer):
-            wait.tags.add(BoundSymbolTag.BACKWARD)
+        wait, through = ordered_read(trace, target, markers, backward=in_backward(writer))
         inserted.setdefault(at, []).append(wait)
         swapped[id(writer)] = writer.from_bsym_swap_proxies({variableify(target): through}, skip_output=True)
         _wait_later_readers(at, writer, target, (writes, swapped, inserted), trace)
