@@ -135,9 +135,18 @@ def gemm_count(names: list[str]) -> int:
 
 
 def measure(
-    step: Callable[[], None], model: torch.nn.Module, *, flops: float, warmup: int, steps: int
+    step: Callable[[], None],
+    model: torch.nn.Module,
+    *,
+    flops: float,
+    warmup: int,
+    steps: int,
+    baseline: int | None = None,
 ) -> dict[str, Any]:
-    baseline = torch.cuda.memory_allocated()
+    """Step time, peak memory above ``baseline`` (by default what is allocated now) and kernels;
+    a caller that ran the first step already passes what was allocated before it."""
+    if baseline is None:
+        baseline = torch.cuda.memory_allocated()
     times = sorted(step_times_ms(step, warmup=warmup, steps=steps))
     median = statistics.median(times)
     names = kernel_names(step)

@@ -13,13 +13,27 @@ copies came out wrong from the second step on. The ``weight_recasts`` pass is of
 graphs, where each of its casts would run between graphs: the forward keeps the FP8 weight
 copies.
 
+A replay overwrites what the previous replay of the same graph returned. So that no backward
+reads a tensor a later replay overwrote, every replay marks its outputs as written in place:
+autograd then refuses a saved tensor the next forward's replay overwrote (a second forward before
+the first one's backward) with its "modified by an inplace operation" error, where it would
+otherwise compute a wrong gradient without a word.
+
     jitted = thunder.jit(model, executors=[te_v2, torch_compile_ex], transforms=[TEv2CUDAGraphTransform()])
+    compiled = thunderfx(model, executors=executors(), transforms=[TEv2CUDAGraphTransform()])
 """
 
 from __future__ import annotations
 
+from typing import Any
+
+import torch
+from thunder.core import prims
+from thunder.core.proxies import ProxyTag
 from thunder.core.symbol import BoundSymbol
-from thunder.transforms.cudagraph import CUDAGraphTransform
+from thunder.core.trace import TraceCtx
+from thunder.transforms.cudagraph import CUDAGraphRunner, CUDAGraphTransform
+from torch.utils._pytree import tree_leaves
 
 from te_v2_executor.symbols import LINEAR_FWD, SYNC_SYMBOLS, arg
 
@@ -30,10 +44,81 @@ class TEv2CUDAGraphTransform(CUDAGraphTransform):
 
     As with Thunder's transform, outputs (the forward's result, saved activations, gradients
     before autograd copies them into ``.grad``) live in the graphs' static buffers and are
-    overwritten by the next replay, and those buffers stay allocated between steps.
+    overwritten by the next replay, and those buffers stay allocated between steps. A backward
+    that would read a saved tensor a later replay overwrote raises instead.
     """
+
+    def __init__(self, *, share_mem_pool: bool = False) -> None:
+        super().__init__(share_mem_pool=share_mem_pool)
+        self.cuda_graph_runner = _VersionedRunner(share_mem_pool=share_mem_pool)
 
     def can_fuse(self, bsym: BoundSymbol) -> bool:
         if bsym.sym in SYNC_SYMBOLS or (bsym.sym is LINEAR_FWD and arg(bsym, "replay") is not None):
             return False
         return super().can_fuse(bsym)
+
+    def transform_trace_post_optimization(self, trace: TraceCtx, **kwargs) -> TraceCtx:
+        """Fuses ``trace`` into graphs; a backward's saved tensors that the forward's graphs keep
+        at fixed addresses are read in place rather than copied.
+
+        Thunder's transform finds the saved tensors at fixed positions of the backward trace,
+        which hold for ``thunder.jit``'s traces but not for every region ``thunderfx`` makes; this
+        finds them by name. Where they cannot be matched to the forward's, every saved tensor is
+        copied into the graph's own buffers, which is slower but never reads a stale address.
+        """
+        if trace.siginfo().name != "backward_fn":
+            return super().transform_trace_post_optimization(trace, **kwargs)
+        static = self.outputs_from_forward
+        self.outputs_from_forward = None
+        saved = _saved_tensors(trace)
+        if static is not None and saved is not None and len(saved) == len(static):
+            for is_static, proxy in zip(static, saved, strict=True):
+                if is_static:
+                    proxy.tags.add(ProxyTag.STATIC_MEMORY_LOCATION)
+        return self.generate_fused_trace(trace, **kwargs)
+
+
+class _VersionedRunner(CUDAGraphRunner):
+    """Thunder's graph runner, whose replays bump the version counters of the outputs they write.
+
+    Outputs that share storage with an argument the graph reads in place (a parameter, or a
+    view of one) are not the graph's to mark: bumping them would make autograd refuse a weight
+    another function saved, a tied embedding's for one.
+    """
+
+    def __init__(self, *, share_mem_pool: bool = False) -> None:
+        super().__init__(share_mem_pool=share_mem_pool)
+        self.written: dict[int, tuple[Any, list[torch.Tensor]]] = {}
+
+    def call_cuda_graph(self, fn_name: str, *args: Any) -> Any:
+        outputs = super().call_cuda_graph(fn_name, *args)
+        entry = self.written.get(id(outputs))
+        if entry is None:
+            read = {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}
+            written = [
+                t
+                for t in tree_leaves(outputs)
+                if isinstance(t, torch.Tensor)
+                and not t.is_inference()
+                and t.untyped_storage().data_ptr() not in read
+            ]
+            entry = self.written[id(outputs)] = (outputs, written)
+        torch.autograd.graph.increment_version(entry[1])
+        return outputs
+
+
+def _unpacked(trace: TraceCtx, name: str) -> BoundSymbol | None:
+    """The ``unpack_sequence`` of the collection called ``name`` in ``trace``, if there is one."""
+    for bsym in trace.bound_symbols:
+        if bsym.sym.id == prims.PrimIDs.UNPACK_SEQUENCE and getattr(bsym.args[0], "name", None) == name:
+            return bsym
+    return None
+
+
+def _saved_tensors(trace: TraceCtx) -> list | None:
+    """The tensors a backward trace unpacks from the forward's saved ``C0`` collection, in order."""
+    saved = _unpacked(trace, "saved_for_backward")
+    if saved is None or not saved.output:
+        return None
+    tensors = _unpacked(trace, saved.output[0].name)
+    return list(tensors.output) if tensors is not None else None

@@ -10,9 +10,12 @@ import pytest
 import thunder
 import torch
 from thunder.core import prims
-from thunder.transforms.cudagraph import CUDAGraphTransform
+from thunder.core.proxies import ProxyTag
+from thunder.core.trace import from_trace
+from thunder.transforms.cudagraph import CUDAGraphRunner, CUDAGraphTransform
 
 from te_v2_executor import TEv2CUDAGraphTransform, make_te_v2
+from te_v2_executor.cuda_graphs import _saved_tensors
 from te_v2_executor.symbols import BACKWARD_SYNC, FORWARD_SYNC, LINEAR_FWD, arg
 from tests.helpers import CLAIM_ALL, backward_trace, forward_trace
 from tests.models import Checkpointed, LoRAStack
@@ -79,3 +82,41 @@ def test_a_flush_refuses_to_be_captured(reference_te_v2, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     with pytest.raises(RuntimeError, match=r"TEv2CUDAGraphTransform\(\)"):
         jitted(x)
+
+
+def _saved_first(trace):
+    """``trace`` with the cotangents unpacked before the saved tensors, an order thunderfx's
+    regions may have and Thunder's transform does not expect."""
+    shifted = from_trace(trace)
+    b = trace.bound_symbols
+    shifted.bound_symbols = [*b[:2], *b[6:9], *b[2:6], *b[9:]]
+    return shifted
+
+
+def test_a_backwards_saved_tensors_are_found_by_name():
+    jitted = _trained()
+    backward = backward_trace(jitted)
+    assert _saved_tensors(backward) == list(backward.bound_symbols[9].output)
+    with pytest.raises(AssertionError):  # Thunder's transform reads fixed positions
+        parent = CUDAGraphTransform()
+        parent.transform_trace_post_optimization(forward_trace(jitted))
+        parent.transform_trace_post_optimization(_saved_first(backward))
+    transform = TEv2CUDAGraphTransform()
+    transform.transform_trace_post_optimization(forward_trace(jitted))
+    static = list(transform.outputs_from_forward)
+    transform.transform_trace_post_optimization(_saved_first(backward))
+    tagged = [ProxyTag.STATIC_MEMORY_LOCATION in p.tags for p in _saved_tensors(backward)]
+    assert tagged == static and any(tagged)
+
+
+def test_a_replay_marks_what_it_wrote_and_not_what_it_read(monkeypatch):
+    """The version bump that makes autograd refuse an overwritten saved tensor skips outputs that
+    alias an argument the graph reads in place: a weight another function saved stays valid."""
+    weight, activation = torch.zeros(4, 4), torch.zeros(4)
+    monkeypatch.setattr(
+        CUDAGraphRunner, "call_cuda_graph", lambda self, name, *args: (activation, weight.t())
+    )
+    runner = TEv2CUDAGraphTransform().cuda_graph_runner
+    for replays in (1, 2):
+        runner.call_cuda_graph("CUDAGraph1", weight)
+        assert (activation._version, weight._version) == (replays, 0)

@@ -9,10 +9,12 @@ import copy
 import pytest
 import thunder
 import torch
+from thunder.core.proxies import ProxyTag
 from thunder.executors.torch_compile import torch_compile_ex
 from thunder.transforms.cudagraph import CUDAGraphTransform
 
 from te_v2_executor import TEv2CUDAGraphTransform, quantization_update_scope
+from te_v2_executor.cuda_graphs import _saved_tensors
 from tests.gpu.common import (
     DTYPE,
     delayed_recipe,
@@ -155,3 +157,64 @@ def test_thunders_own_cuda_graph_transform_is_refused():
         te.autocast(enabled=True, recipe=delayed_recipe()),
     ):
         graphed(x)
+
+
+def test_a_second_forward_before_the_backward_raises():
+    """Two micro-batches' losses summed before one backward: the second replay overwrites the
+    activations the first forward saved, and autograd refuses them rather than computing the first
+    micro-batch's gradients from the second one's activations."""
+    import transformer_engine.pytorch as te
+
+    graphed = _graphed(_model("full"), [])
+    xs = [torch.randn(TOKENS, DIM, device="cuda", dtype=DTYPE) for _ in range(2)]
+    with te.autocast(enabled=True, recipe=delayed_recipe()):
+        graphed(xs[0]).float().sum().backward()  # captures the graphs
+        first = graphed(xs[0]).float().sum()
+        second = graphed(xs[1]).float().sum()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        (first + second).backward()
+
+
+@pytest.mark.parametrize("scenario", ["full", "lora"])
+def test_graphs_through_thunderfx_follow_the_same_steps_without_them(scenario):
+    """A Hugging Face Llama through thunderfx: Thunder's transform found a backward's saved tensors
+    at fixed trace positions, which thunderfx's regions need not keep; the replayed steps give the
+    losses and gradients of the same steps without graphs."""
+    pytest.importorskip("transformers", reason="needs transformers (the [bench] extra)")
+    pytest.importorskip("peft", reason="needs peft (the [bench] extra)")
+    import transformer_engine.pytorch as te
+    from thunder.dynamo import thunderfx
+
+    from benchmarks.hf import family_grads, grad_cosines, llama, loss_of
+    from te_v2_executor import executors
+    from tests.gpu.test_hf_models import SMALL
+
+    recipe = delayed_recipe()
+    model = llama(SMALL, scenario)
+    graphed_model = copy.deepcopy(model)
+    batches = torch.randint(
+        0, 512, (STEPS, 2, 128), device="cuda", generator=torch.Generator("cuda").manual_seed(0)
+    )
+    runs = []
+    for m, transforms in ((model, []), (graphed_model, [TEv2CUDAGraphTransform()])):
+        compiled = thunderfx(m, executors=executors(te_v2_claiming_all()), transforms=transforms)
+        step = loss_of(compiled)
+        opt = torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.05)
+        losses = []
+        for ids in batches:
+            opt.zero_grad()
+            with te.autocast(enabled=True, recipe=recipe):
+                loss = step(ids)
+            loss.backward()
+            losses.append(loss.item())
+            grads = family_grads(m)
+            opt.step()
+        runs.append((losses, grads))
+    (losses, grads), (graphed_losses, graphed_grads) = runs
+    fns = [fn for info in compiled._backend.subgraph_infos for fn in info.thunder_compiled_fns]
+    backwards = [t for fn in fns for t in thunder.last_backward_traces(fn)[-1:]]
+    saved = [p for t in backwards for p in _saved_tensors(t) or ()]
+    assert any(ProxyTag.STATIC_MEMORY_LOCATION in p.tags for p in saved), "every saved tensor is copied"
+    torch.testing.assert_close(graphed_losses, losses, rtol=1e-3, atol=0)
+    cosines = grad_cosines(graphed_grads, grads)
+    assert all(c > 0.9999 for c in cosines.values()), cosines

@@ -99,6 +99,20 @@ def _check_cuda_graphs(ns: dict[str, Any]) -> None:
     assert any(b.sym.name.startswith("CUDAGraph") for b in backward_trace(ns["jitted"]).bound_symbols)
 
 
+def _check_cuda_graphs_thunderfx(ns: dict[str, Any]) -> None:
+    """thunderfx's region replayed graphs, forward and backward."""
+    import thunder
+
+    assert torch.isfinite(ns["loss"])
+    assert ns["transform"].cuda_graph_runner.cuda_graph_cache
+    fns = [fn for info in ns["compiled"]._backend.subgraph_infos for fn in info.thunder_compiled_fns]
+    for traces in (
+        [thunder.last_traces(fn)[-1] for fn in fns],
+        [thunder.last_backward_traces(fn)[-1] for fn in fns],
+    ):
+        assert any(b.sym.name.startswith("CUDAGraph") for t in traces for b in t.bound_symbols)
+
+
 GPU_CHECKS: dict[str, Callable[[dict[str, Any]], None]] = {
     "quickstart": _check_quickstart,
     "recipes": _check_recipes,
@@ -107,6 +121,7 @@ GPU_CHECKS: dict[str, Callable[[dict[str, Any]], None]] = {
     "checkpointing": _check_checkpointing,
     "peft-lora": _check_peft_lora,
     "cuda-graphs": _check_cuda_graphs,
+    "cuda-graphs-thunderfx": _check_cuda_graphs_thunderfx,
 }
 
 
