@@ -17,7 +17,8 @@ A replay overwrites what the previous replay of the same graph returned. So that
 reads a tensor a later replay overwrote, every replay marks its outputs as written in place:
 autograd then refuses a saved tensor the next forward's replay overwrote (a second forward before
 the first one's backward) with its "modified by an inplace operation" error, where it would
-otherwise compute a wrong gradient without a word.
+otherwise compute a wrong gradient without a word. And a replay that finds a tensor it reads in
+place (a parameter) moved to other memory since the capture raises, naming it.
 
     jitted = thunder.jit(model, executors=[te_v2, torch_compile_ex], transforms=[TEv2CUDAGraphTransform()])
     compiled = thunderfx(model, executors=executors(), transforms=[TEv2CUDAGraphTransform()])
@@ -25,7 +26,8 @@ otherwise compute a wrong gradient without a word.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import torch
 from thunder.core import prims
@@ -50,7 +52,7 @@ class TEv2CUDAGraphTransform(CUDAGraphTransform):
 
     def __init__(self, *, share_mem_pool: bool = False) -> None:
         super().__init__(share_mem_pool=share_mem_pool)
-        self.cuda_graph_runner = _VersionedRunner(share_mem_pool=share_mem_pool)
+        self.cuda_graph_runner = _CheckedRunner(share_mem_pool=share_mem_pool)
 
     def can_fuse(self, bsym: BoundSymbol) -> bool:
         if bsym.sym in SYNC_SYMBOLS or (bsym.sym is LINEAR_FWD and arg(bsym, "replay") is not None):
@@ -78,33 +80,72 @@ class TEv2CUDAGraphTransform(CUDAGraphTransform):
         return self.generate_fused_trace(trace, **kwargs)
 
 
-class _VersionedRunner(CUDAGraphRunner):
-    """Thunder's graph runner, whose replays bump the version counters of the outputs they write.
+class _Replayed(NamedTuple):
+    """What a captured graph reads in place and writes: its in-place arguments, each with its
+    position and its address at capture, and its outputs that no argument shares storage with."""
 
-    Outputs that share storage with an argument the graph reads in place (a parameter, or a
-    view of one) are not the graph's to mark: bumping them would make autograd refuse a weight
-    another function saved, a tied embedding's for one.
+    outputs: Any
+    fixed: list[tuple[int, torch.Tensor, int]]
+    written: list[torch.Tensor]
+
+
+class _CheckedRunner(CUDAGraphRunner):
+    """Thunder's graph runner, whose replays check what the graph reads in place and mark what it
+    writes.
+
+    A graph reads its parameters, and the saved tensors its forward's graphs hold, at the
+    addresses they had when it was captured. A parameter replaced by another tensor is copied
+    into the captured one (Thunder's runner does that), but one whose memory moved (FSDP2
+    unshards parameters into memory it frees again) would be read from memory that holds
+    something else, so a replay that finds one moved raises. Outputs get their version counters
+    bumped, except those that share storage with an argument the graph reads in place (a
+    parameter, or a view of one): those are not the graph's to mark, and marking them would make
+    autograd refuse a weight another function saved, a tied embedding's for one.
     """
 
     def __init__(self, *, share_mem_pool: bool = False) -> None:
         super().__init__(share_mem_pool=share_mem_pool)
-        self.written: dict[int, tuple[Any, list[torch.Tensor]]] = {}
+        self.replayed: dict[int, _Replayed] = {}
+
+    def build_cuda_graph(self, fn: Callable, args: list[Any], static_args_mask: tuple[bool, ...]) -> tuple:
+        built = super().build_cuda_graph(fn, args, static_args_mask)
+        outputs = built[2]
+        in_place = (i for i, static in enumerate(static_args_mask) if static)
+        fixed = [(i, args[i], _address(args[i])) for i in in_place if _address(args[i]) is not None]
+        read = {_address(a, storage=True) for a in args} - {None}
+        written = [
+            t
+            for t in tree_leaves(outputs)
+            if isinstance(t, torch.Tensor) and not t.is_inference() and _address(t, storage=True) not in read
+        ]
+        self.replayed[id(outputs)] = _Replayed(outputs, fixed, written)
+        return built
 
     def call_cuda_graph(self, fn_name: str, *args: Any) -> Any:
         outputs = super().call_cuda_graph(fn_name, *args)
-        entry = self.written.get(id(outputs))
-        if entry is None:
-            read = {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}
-            written = [
-                t
-                for t in tree_leaves(outputs)
-                if isinstance(t, torch.Tensor)
-                and not t.is_inference()
-                and t.untyped_storage().data_ptr() not in read
-            ]
-            entry = self.written[id(outputs)] = (outputs, written)
-        torch.autograd.graph.increment_version(entry[1])
+        replayed = self.replayed[id(outputs)]
+        for i, tensor, address in replayed.fixed:
+            if _address(tensor) != address:
+                name = getattr(self.trace_symbols[fn_name][1][i], "name", f"argument {i}")
+                raise RuntimeError(
+                    f"te_v2: {name}, which CUDA graph {fn_name} reads in place, is no longer where it was "
+                    "when the graph was captured (its memory was freed and allocated again, as FSDP2 "
+                    "does when it unshards a parameter), so the replay read whatever is there now. "
+                    "Leave TEv2CUDAGraphTransform out where parameters move between steps."
+                )
+        torch.autograd.graph.increment_version(replayed.written)
         return outputs
+
+
+def _address(t: Any, *, storage: bool = False) -> int | None:
+    """Where ``t``'s first element is (with ``storage``, where its storage starts), or None for
+    what has no storage (not a tensor, a wrapper subclass)."""
+    if not isinstance(t, torch.Tensor):
+        return None
+    try:
+        return t.untyped_storage().data_ptr() if storage else t.data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return None
 
 
 def _unpacked(trace: TraceCtx, name: str) -> BoundSymbol | None:

@@ -6,6 +6,8 @@ on the trace, which the reference backend builds on the CPU.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import thunder
 import torch
@@ -109,14 +111,41 @@ def test_a_backwards_saved_tensors_are_found_by_name():
     assert tagged == static and any(tagged)
 
 
+def _runner_replaying(monkeypatch, fn, in_place: tuple[bool, ...], names: list[str]):
+    """te_v2's graph runner with ``fn`` registered as CUDAGraph1, "captured" by calling it once
+    and "replayed" by returning what it returned then, as a graph returns its static outputs."""
+
+    def capture(self, fn, args, static_args_mask):
+        return SimpleNamespace(replay=lambda: None), tuple(args), fn(*args)
+
+    monkeypatch.setattr(CUDAGraphRunner, "build_cuda_graph", capture)
+    runner = TEv2CUDAGraphTransform().cuda_graph_runner
+    runner.python_callables["CUDAGraph1"] = (fn, in_place)
+    runner.trace_symbols["CUDAGraph1"] = ([], [SimpleNamespace(name=n) for n in names], [])
+    return runner
+
+
 def test_a_replay_marks_what_it_wrote_and_not_what_it_read(monkeypatch):
     """The version bump that makes autograd refuse an overwritten saved tensor skips outputs that
     alias an argument the graph reads in place: a weight another function saved stays valid."""
     weight, activation = torch.zeros(4, 4), torch.zeros(4)
-    monkeypatch.setattr(
-        CUDAGraphRunner, "call_cuda_graph", lambda self, name, *args: (activation, weight.t())
-    )
-    runner = TEv2CUDAGraphTransform().cuda_graph_runner
+    runner = _runner_replaying(monkeypatch, lambda w: (activation, w.t()), (True,), ["t_weight"])
     for replays in (1, 2):
         runner.call_cuda_graph("CUDAGraph1", weight)
         assert (activation._version, weight._version) == (replays, 0)
+
+
+def test_a_replay_refuses_a_parameter_whose_memory_moved(monkeypatch):
+    """A graph reads its parameters at their addresses at capture. A parameter replaced by another
+    tensor is copied into the captured one; one whose memory moved (FSDP2 unshards into memory it
+    frees again) raises, naming it, rather than being read from stale memory."""
+    weight, x = torch.zeros(4, 4), torch.zeros(4)
+    runner = _runner_replaying(monkeypatch, lambda w, x: (w @ x,), (True, False), ["t_weight", "x"])
+    runner.call_cuda_graph("CUDAGraph1", weight, x)
+    runner.call_cuda_graph("CUDAGraph1", torch.ones(4, 4), torch.ones(4))  # both copied in
+    assert bool((weight == 1).all())
+    weight.data = torch.zeros(4, 4)
+    with pytest.raises(
+        RuntimeError, match="t_weight, which CUDA graph CUDAGraph1 reads in place, is no longer"
+    ):
+        runner.call_cuda_graph("CUDAGraph1", weight, x)
