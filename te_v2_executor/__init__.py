@@ -8,6 +8,7 @@ FP8 copies and state updates the backward really consumes.
 """
 
 from te_v2_executor.backends import Backend
+from te_v2_executor.checkpoint import quantization_state_template
 from te_v2_executor.config import ClaimPolicy, TEv2Config
 from te_v2_executor.cuda_graphs import TEv2CUDAGraphTransform
 from te_v2_executor.executor import (
@@ -52,6 +53,7 @@ __all__ = [
     "load_quantization_state_dict",
     "make_te_v2",
     "quantization_state_dict",
+    "quantization_state_template",
     "quantization_update_scope",
     "te_v2",
 ]

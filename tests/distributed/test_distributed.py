@@ -23,6 +23,7 @@ from tests.gpu.common import FP8_TOLS
 WORLD = 2
 WRAPPERS = ("thunder_ddp", "fsdp_zero2", "fsdp_zero3", "torch_ddp", "fsdp2")
 SCENARIOS = [f"{w}-{m}" for w in WRAPPERS for m in ("full", "lora")]
+KINDS = ("full", "lora")
 ROOT = Path(__file__).resolve().parents[2]
 LAUNCH_TIMEOUT_S = 480
 
@@ -51,14 +52,16 @@ LINEARS = {"full": 3, "lora": 6}
 QUANT_STATE_TENSORS = {"full": 2 * (3 + 3), "lora": 2 * (6 + 5)}
 
 
-def torchrun(out: Path, device: str, *scenarios: str, timeout_s: float = LAUNCH_TIMEOUT_S):
-    """Run the worker on WORLD ranks; the completed process (stdout and stderr merged)."""
+def torchrun(
+    out: Path, device: str, *scenarios: str, timeout_s: float = LAUNCH_TIMEOUT_S, ranks: int = WORLD
+):
+    """Run the worker on ``ranks`` ranks; the completed process (stdout and stderr merged)."""
     command = [
         sys.executable,
         "-m",
         "torch.distributed.run",
         "--standalone",
-        f"--nproc_per_node={WORLD}",
+        f"--nproc_per_node={ranks}",
         "-m",
         "tests.distributed.worker",
         "--out",
@@ -74,20 +77,27 @@ def torchrun(out: Path, device: str, *scenarios: str, timeout_s: float = LAUNCH_
 
 
 class Results:
-    """The per-rank results of every scenario, from one torchrun launch per device kind."""
+    """The per-rank results of every scenario, from one torchrun launch per device kind, and of
+    the restores of its checkpoints, from one more launch on a single rank."""
 
     def __init__(self, device: str, out: Path) -> None:
         self.device = device
         self.out = out
-        self.launch = torchrun(out, device, *SCENARIOS, *(["builtin_ddp-full"] if device == "cuda" else []))
+        checkpointed = [f"fsdp2_checkpoint-{k}" for k in KINDS]
+        builtin = ["builtin_ddp-full"] if device == "cuda" else []
+        self.launch = torchrun(out, device, *SCENARIOS, *checkpointed, *builtin)
+        self.restore = torchrun(out, device, *(f"restored-{k}" for k in KINDS), ranks=1)
         self._loaded: dict[str, list[dict]] = {}
 
     def __getitem__(self, scenario: str) -> list[dict]:
-        if self.launch.returncode != 0:
-            pytest.fail(f"torchrun failed:\n{self.launch.stdout[-4000:]}\n{self.launch.stderr[-8000:]}")
+        restored = scenario.startswith("restored-")
+        launch = self.restore if restored else self.launch
+        if launch.returncode != 0:
+            pytest.fail(f"torchrun failed:\n{launch.stdout[-4000:]}\n{launch.stderr[-8000:]}")
         if scenario not in self._loaded:
             self._loaded[scenario] = [
-                torch.load(self.out / f"{scenario}.rank{r}.pt", weights_only=False) for r in range(WORLD)
+                torch.load(self.out / f"{scenario}.rank{r}.pt", weights_only=False)
+                for r in range(1 if restored else WORLD)
             ]
         ranks = self._loaded[scenario]
         for rank, r in enumerate(ranks):
@@ -120,6 +130,25 @@ def test_weights_and_losses_match_a_single_process_run(results, scenario):
             ref = _shard(r["reference_weights"][name], w, rank)
             torch.testing.assert_close(w.float(), ref.float(), **FP8_TOLS, msg=lambda m, n=name: f"{n}: {m}")
     assert losses[-1] < losses[0], "training did not reduce the loss: the comparison would be vacuous"
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_checkpoint_restored_on_one_rank_trains_on_as_the_two_ranks_did(results, kind):
+    """A torch.distributed.checkpoint of the FSDP2-sharded model and te_v2's quantization state,
+    saved by two ranks after two steps, loaded on one (``quantization_state_template`` makes the
+    tensors it loads into), then three more steps on the same global batches: the losses,
+    weights and states of the two ranks that went on without stopping."""
+    saved = results[f"fsdp2_checkpoint-{kind}"]
+    (restored,) = results[f"restored-{kind}"]
+    torch.testing.assert_close(torch.stack(restored["losses"]), torch.stack(saved[0]["losses"]), **FP8_TOLS)
+    for rank, r in enumerate(saved):
+        assert r["weights"].keys() == restored["weights"].keys()
+        for name, w in r["weights"].items():
+            torch.testing.assert_close(w, _shard(restored["weights"][name], w, rank), **FP8_TOLS)
+    assert restored["quant_state"].keys() == saved[0]["quant_state"].keys()
+    assert restored["quant_state"], "no quantization state was compared"
+    for name, value in saved[0]["quant_state"].items():
+        torch.testing.assert_close(restored["quant_state"][name], value, **FP8_TOLS)
 
 
 @pytest.mark.parametrize("scenario", SCENARIOS)

@@ -11,7 +11,10 @@ built-in TE executor under ``thunder_ddp``, for contrast); model
 ``full`` (every linear trained) or ``lora`` (frozen base, trainable rank-16 adapters). Each
 rank trains STEPS SGD steps on its slice of one global batch, after a single-process run of the
 same model on the whole batch, and writes what the tests compare to ``DIR/<scenario>.rank<r>.pt``.
-Scenario ``fail`` makes rank 1 raise in its forward while rank 0 waits in a collective.
+Scenario ``fsdp2_checkpoint-<model>`` saves a torch.distributed.checkpoint of the sharded model and
+te_v2's quantization state after CHECKPOINT_STEPS steps and trains on; ``restored-<model>``, run
+on another number of ranks, loads it and trains on from there. Scenario ``fail`` makes rank 1
+raise in its forward while rank 0 waits in a collective.
 
 On CUDA it runs te_v2 on TransformerEngine under ``te.autocast`` with a custom amax reduction
 group; with ``--device cpu`` on gloo and the reference backend (no autocast: the default group).
@@ -37,12 +40,21 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from benchmarks.measure import gemm_count, kernel_names
-from te_v2_executor import delayed_scaling, explain, make_te_v2, quantization_update_scope
+from te_v2_executor import (
+    delayed_scaling,
+    explain,
+    load_quantization_state_dict,
+    make_te_v2,
+    quantization_state_dict,
+    quantization_state_template,
+    quantization_update_scope,
+)
 from te_v2_executor.compiled import compiled_functions
 from tests.helpers import CLAIM_ALL
 from tests.models import LoRAStack, Stack
 
 DIM, TOKENS_PER_RANK, STEPS, LR = 256, 128, 5, 1e-3
+CHECKPOINT_STEPS = 2  # of STEPS, before ``checkpointed`` saves
 
 
 class Run:
@@ -65,12 +77,13 @@ class Run:
         make = {"full": lambda: Stack([DIM] * 4), "lora": lambda: LoRAStack([DIM] * 3, rank=16)}[kind]
         return make().to(self.device, dtype)
 
-    def global_batch(self) -> list[torch.Tensor]:
-        """STEPS global batches, the same on every rank."""
+    def global_batch(self, world: int | None = None) -> list[torch.Tensor]:
+        """STEPS global batches, the same on every rank, of a run on ``world`` ranks (this one's
+        when None)."""
         gen = torch.Generator().manual_seed(1)
         dtype = torch.bfloat16 if self.cuda else torch.float32
         return [
-            torch.randn(TOKENS_PER_RANK * self.world, DIM, generator=gen).to(self.device, dtype)
+            torch.randn(TOKENS_PER_RANK * (world or self.world), DIM, generator=gen).to(self.device, dtype)
             for _ in range(STEPS)
         ]
 
@@ -129,14 +142,16 @@ def train(
     *,
     distributed: bool,
     scoped: bool = False,
+    data_parallel: int | None = None,
 ):
-    """STEPS steps of SGD on ``fn``; the loss of each, and the amax all-reduces of each. With
-    ``scoped``, each step's forward and backward run inside one ``quantization_update_scope``.
+    """A step of SGD on ``fn`` per batch; the loss of each, and the amax all-reduces of each. With
+    ``scoped``, each step's forward and backward run inside one ``quantization_update_scope``;
+    ``data_parallel``: the ranks the batches were split over, where it is not ``run.world``.
 
     The loss sums over tokens, so dy is the same on a rank's slice as in the single-process run
     (a mean would scale it by the world size and quantize it differently); the single-process
     step divides by the world size as the data-parallel gradient averaging does."""
-    lr = LR if distributed else LR / run.world
+    lr = LR if distributed else LR / (data_parallel or run.world)
     losses, calls = [], []
     for x in batches:
         run.amax_calls.clear()
@@ -174,16 +189,19 @@ def wrap(wrapper: str, model: torch.nn.Module, run: Run) -> tuple[Callable, Any,
     return ddp, jitted, lambda: list(jitted.parameters())
 
 
-def fully_sharded(model: torch.nn.Module, run: Run) -> tuple[Callable, Any, Callable]:
-    """``model`` with ``fully_shard`` on each LoRA layer and on itself, compiled by ``thunderfx``.
-    A ``Stack``'s layers are bare linears, which Dynamo runs outside its graphs once they are
-    sharded on their own, so only the whole model is."""
+def fully_sharded(
+    model: torch.nn.Module, run: Run, *, per_layer: bool = True
+) -> tuple[Callable, Any, Callable]:
+    """``model`` with ``fully_shard`` on each LoRA layer (``per_layer``) and on itself, compiled by
+    ``thunderfx``. A ``Stack``'s layers are bare linears, which Dynamo runs outside its graphs once
+    they are sharded on their own, so only the whole model is."""
     from thunder.dynamo import thunderfx
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
+    torch._dynamo.reset()  # regions Dynamo compiled for an earlier scenario's model are not reused
     mesh = init_device_mesh(run.device.type, (run.world,))
-    for layer in [] if isinstance(model, Stack) else model.layers:
+    for layer in [] if isinstance(model, Stack) or not per_layer else model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     compiled = thunderfx(model, **run.executors(distributed=True))
@@ -231,6 +249,10 @@ def quant_state(module: Any) -> dict[str, Any]:
 
 def scenario(name: str, run: Run, out: Path) -> None:
     wrapper, kind = name.split("-")
+    if wrapper in ("fsdp2_checkpoint", "restored"):
+        found = (checkpointed if wrapper == "fsdp2_checkpoint" else restored)(kind, run, out)
+        torch.save({"rank": run.rank, "world": run.world, **found}, out / f"{name}.rank{run.rank}.pt")
+        return
     batches = run.global_batch()
     mine = slice(run.rank * TOKENS_PER_RANK, (run.rank + 1) * TOKENS_PER_RANK)
     result: dict[str, Any] = {"rank": run.rank, "world": run.world}
@@ -263,6 +285,62 @@ def scenario(name: str, run: Run, out: Path) -> None:
     if run.cuda:
         result["gemm_kernels"] = distributed_step_gemms(fn, batches[0][mine], run)
     torch.save(result, out / f"{name}.rank{run.rank}.pt")
+
+
+def checkpointed(kind: str, run: Run, out: Path) -> dict[str, Any]:
+    """The fsdp2 scenario, saving a distributed checkpoint (the sharded model and te_v2's
+    quantization state) after CHECKPOINT_STEPS steps, then training on: what a restore on another
+    number of ranks must continue exactly as. The model is sharded and compiled whole: layers
+    sharded one by one compile to regions whose states have the same names, which one state dict
+    cannot tell apart (docs/quantization-state.md)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    model = run.model(kind)
+    fn, module, params = fully_sharded(model, run, per_layer=False)
+    mine = slice(run.rank * TOKENS_PER_RANK, (run.rank + 1) * TOKENS_PER_RANK)
+    batches = [x[mine] for x in run.global_batch()]
+    train(fn, params, batches[:CHECKPOINT_STEPS], run, distributed=True, scoped=True)
+    state = {"model": get_model_state_dict(model), "quantization": quantization_state_dict(fn)}
+    dcp.save(state, checkpoint_id=out / f"checkpoint-{kind}")
+    losses, _ = train(fn, params, batches[CHECKPOINT_STEPS:], run, distributed=True, scoped=True)
+    gathered = [None] * run.world
+    dist.all_gather_object(gathered, losses)
+    return {
+        "losses": [torch.stack(per_rank).sum(0) for per_rank in zip(*gathered, strict=True)],
+        "weights": {n: local(p).detach().cpu() for n, p in model.named_parameters()},
+        "quant_state": quant_state(module),
+    }
+
+
+def restored(kind: str, run: Run, out: Path) -> dict[str, Any]:
+    """The checkpoint ``checkpointed`` saved, loaded into a model sharded over this run's ranks
+    (another number of them), which trains on from there on the same global batches."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    saved = torch.load(out / f"fsdp2_checkpoint-{kind}.rank0.pt", weights_only=False)
+    path = out / f"checkpoint-{kind}"
+    model = run.model(kind)
+    with torch.no_grad():  # so that only the checkpoint can give the saved weights back
+        for p in model.parameters():
+            p.add_(1.0)
+    fn, module, params = fully_sharded(model, run, per_layer=False)
+    state = {"model": get_model_state_dict(model)}
+    dcp.load(state, checkpoint_id=path)
+    set_model_state_dict(model, state["model"])
+    batches = run.global_batch(saved["world"])[CHECKPOINT_STEPS:]
+    with run.fp8(distributed=False):
+        fn(batches[0])  # a first call makes the regions, and their states, to load into
+    quantization = quantization_state_template(path)
+    dcp.load({"quantization": quantization}, checkpoint_id=path)
+    load_quantization_state_dict(fn, quantization)
+    losses, _ = train(fn, params, batches, run, distributed=False, scoped=True, data_parallel=saved["world"])
+    return {
+        "losses": losses,
+        "weights": {n: local(p).detach().cpu() for n, p in model.named_parameters()},
+        "quant_state": quant_state(module),
+    }
 
 
 def fail(run: Run) -> None:
