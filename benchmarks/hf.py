@@ -125,19 +125,6 @@ def _te_v2_attention(where: str) -> list:
     return [te_v2, sdpa_ex, torch_compile_ex] if where == "inductor" else [te_v2, *executors()[2:]]
 
 
-def _te_v2_split_preamble() -> list:
-    """The default list, with thunderfx's splitter sending the ops Hugging Face calls before the
-    first layer to TorchInductor again, as it did before ``executors()`` kept them in Thunder."""
-    from thunder.dynamo import utils
-
-    from te_v2_executor import executors
-    from te_v2_executor.fusers import PREAMBLE_OPS
-
-    listed = executors()
-    utils.auto_register_ops.update(PREAMBLE_OPS)
-    return listed
-
-
 def _te_v2_thunder_defaults() -> list:
     import thunder
 
@@ -226,7 +213,6 @@ ABLATIONS = {
     "thunderfx + te_v2, Thunder's default executors": (_thunderfx(_te_v2_thunder_defaults), True),
     "thunderfx + te_v2, Thunder's SDPA attention": (_thunderfx(lambda: _te_v2_attention("sdpa")), True),
     "thunderfx + te_v2, attention in TorchInductor": (_thunderfx(lambda: _te_v2_attention("inductor")), True),
-    "thunderfx + te_v2, preamble in TorchInductor": (_thunderfx(_te_v2_split_preamble), True),
     "thunderfx BF16, nvFuser": (_thunderfx(_nvfuser_after(False)), False),
     "thunderfx + te_v2, nvFuser": (_thunderfx(_nvfuser_after(True)), True),
     **{f"thunderfx + te_v2 without {name}": (_thunderfx(_te_v2_without(name)), True) for name in OPTIONAL},

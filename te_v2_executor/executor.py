@@ -23,13 +23,7 @@ from te_v2_executor import passes, report
 from te_v2_executor.backends import Backend
 from te_v2_executor.checks import Decision
 from te_v2_executor.config import ClaimPolicy, TEv2Config
-from te_v2_executor.fusers import (
-    after,
-    broken_default_attention,
-    fast_after_te_v2,
-    missing_fuser,
-    preamble_in_thunder,
-)
+from te_v2_executor.fusers import after, broken_default_attention, fast_after_te_v2, missing_fuser
 from te_v2_executor.lowering import LinearLowering
 from te_v2_executor.recipes import RecipeSpec
 from te_v2_executor.state import registry_for
@@ -156,11 +150,7 @@ def executors(te_v2_executor: TEv2Executor | None = None) -> list[Executor]:
 
     Where Thunder's cuDNN attention executor cannot run, it also removes it from Thunder's default
     executors, with a one-time warning saying why (``fusers.broken_default_attention``): thunderfx
-    checks each node with the defaults, and would send every attention out of Thunder. And it has
-    thunderfx keep the two torch-fallback ops a Hugging Face model calls before its first layer in
-    Thunder (``fusers.preamble_in_thunder``), so that the whole model is one Thunder region.
-    Both change what Thunder does for every model compiled in the process after the call."""
+    checks each node with the defaults, and would send every attention out of Thunder."""
     if message := broken_default_attention():
         _warn_once(message, TEv2PerformanceWarning)
-    preamble_in_thunder()
     return [te_v2_executor or te_v2, *fast_after_te_v2()]

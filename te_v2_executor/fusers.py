@@ -11,10 +11,7 @@ Attention goes to te_v2's cuDNN attention executor, or else Thunder's SDPA execu
 fused attention kernels): no fuser claims it, and Thunder would otherwise decompose it into two
 matrix products and a softmax. thunderfx's splitter checks each node with Thunder's *default*
 executors, not the ones it is given, so a cuDNN attention executor among them that cannot run
-sends every attention out of Thunder (``broken_default_attention``). The same splitter sends
-every op that Thunder runs through its automatic torch fallback to TorchInductor, and a Hugging
-Face model calls two such ops before its first layer, to build the attention mask and position
-ids: three region crossings a forward that ``preamble_in_thunder`` removes.
+sends every attention out of Thunder (``broken_default_attention``).
 """
 
 from __future__ import annotations
@@ -22,13 +19,8 @@ from __future__ import annotations
 from typing import Any
 
 import thunder.extend
-import torch
 from thunder.core import prims
 from thunder.extend import Executor, FusionExecutor
-
-# Ops Thunder runs through its automatic torch fallback that Hugging Face models call before their
-# first layer: the packed-sequence check's diff of the position ids, the attention mask's new_ones.
-PREAMBLE_OPS = (torch.diff, torch.Tensor.new_ones)
 
 # The cuDNN frontend graph method Thunder 0.2.6's cuDNN attention executor builds its graphs with.
 _CUDNN_SDPA_METHOD = "scaled_dot_product_flash_attention"
@@ -87,22 +79,6 @@ def broken_default_attention() -> str:
         "now stays in Thunder, on te_v2's attention executor. To keep the 'cudnn' executor, install "
         "a cuDNN frontend that has that method (nvidia-cudnn-frontend) and a Thunder that matches it"
     )
-
-
-def preamble_in_thunder() -> None:
-    """Have thunderfx's splitter keep ``PREAMBLE_OPS`` in Thunder's regions.
-
-    The splitter hands every op that has only Thunder's automatic torch fallback to TorchInductor,
-    so that Inductor may fuse it. These two run once a forward, on integer ids, before the first
-    layer: each split a Hugging Face model's graph into a Thunder region, an Inductor one, another
-    Thunder one and another Inductor one before the main region, and each crossing costs host
-    time while the GPU waits at the start of the step (docs/performance.md). Kept in Thunder, they
-    run as the same torch calls, gradients included (the fallback differentiates through torch);
-    where Thunder's meta for one fails (``torch.diff`` with ``prepend``), the splitter still sends
-    it to Inductor."""
-    from thunder.dynamo import utils
-
-    utils.auto_register_ops.difference_update(PREAMBLE_OPS)
 
 
 def after(listed: list[Any], te_v2: Any) -> list[Any]:

@@ -10,7 +10,6 @@ import warnings
 import pytest
 import thunder
 import thunder.extend
-import torch
 from thunder.executors.torch_compile import torch_compile_cat_ex, torch_compile_ex, torch_compile_xentropy_ex
 from thunder.extend import OperatorExecutor
 
@@ -18,7 +17,6 @@ from te_v2_executor import executor as executor_module
 from te_v2_executor import executors, make_te_v2, te_v2
 from te_v2_executor.executor import TEv2PerformanceWarning
 from te_v2_executor.fusers import fuses_elementwise, missing_fuser
-from tests.helpers import CLAIM_ALL
 
 
 def test_only_general_fusers_count_as_fusing_elementwise_ops():
@@ -93,54 +91,3 @@ def test_a_cudnn_attention_that_can_run_stays_in_thunders_defaults(monkeypatch):
         warnings.simplefilter("error")
         executors()
     assert fake in thunder.get_default_executors()
-
-
-class _Preamble(torch.nn.Module):
-    """What a Hugging Face model does before its first layer, in small: a mask made with
-    ``new_ones`` and a check of the position ids made with ``torch.diff``, then two linears."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.first, self.second = torch.nn.Linear(32, 32), torch.nn.Linear(32, 32)
-
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        mask = positions.new_ones(positions.shape)
-        steps = torch.diff(positions, dim=-1)
-        scale = (mask[..., :1] + (steps == 1).all(-1, keepdim=True)).to(x.dtype)
-        return self.second(torch.relu(self.first(x))) * scale
-
-
-def _preamble_step(model: torch.nn.Module, listed: list) -> tuple[list[str], list[torch.Tensor]]:
-    """thunderfx's regions for ``model`` compiled with ``listed``, then its output and gradients."""
-    from thunder.dynamo import thunderfx
-
-    model.zero_grad(set_to_none=True)
-    x = torch.randn(16, 32, generator=torch.Generator().manual_seed(0), requires_grad=True)
-    compiled = thunderfx(model, executors=listed)
-    out = compiled(x, torch.arange(8).repeat(16, 1))
-    out.sum().backward()
-    (info,) = compiled._backend.subgraph_infos
-    return [name for name, _ in info.split_graph_module.named_children()], [
-        out,
-        x.grad,
-        model.first.weight.grad,
-    ]
-
-
-def test_thunderfx_keeps_the_models_preamble_in_one_thunder_region(monkeypatch):
-    """thunderfx sends ops that only have Thunder's torch fallback to TorchInductor; the two a
-    Hugging Face model calls before its first layer stay in Thunder after ``executors()``, and the
-    model runs as one region, with the results and gradients of the regions they made before."""
-    from thunder.dynamo import utils
-
-    from te_v2_executor.fusers import PREAMBLE_OPS
-
-    model = _Preamble()
-    listed, again = (executors(make_te_v2(backend="reference", claim=CLAIM_ALL)) for _ in range(2))
-    regions, got = _preamble_step(model, listed)
-    assert regions == ["thunder_0"]
-    monkeypatch.setattr(utils, "auto_register_ops", utils.auto_register_ops | set(PREAMBLE_OPS))
-    split, expected = _preamble_step(model, again)
-    assert len(split) > 1
-    for a, b in zip(got, expected, strict=True):
-        torch.testing.assert_close(a, b)
