@@ -78,6 +78,16 @@ PIPELINE: tuple[Pass, ...] = (
         "the linears' symbols carry the provisional states their transforms made",
     ),
     Pass(
+        "dead_writes",
+        lambda trace, context: dead_writes.drop_dead_writes(trace),
+        "an in-place write into storage the trace made (no input's) that nothing reads afterwards is "
+        "dropped, with the work only it read",
+        "before view_writes and stale_reads, which then judge only reads whose results someone "
+        "reads (a read by a dead write's work cannot make a gradient wrong); before consumption, "
+        "which then sees no reader of a dead GEMM",
+        "writes into existing storage are explicit (copy_, update_aliases), as Writes reads them",
+    ),
+    Pass(
         "view_writes",
         lambda trace, context: view_writes.order_stale_reads(trace),
         "a forward read of a tensor under a name from before a write into its storage (the return's, one through a view Thunder takes for a copy) waits for the write",
@@ -91,15 +101,6 @@ PIPELINE: tuple[Pass, ...] = (
         "differentiates as if it had not happened, raises",
         "before any pass moves a read: it judges the reads the user's program makes",
         "the trace is Thunder's own, with its in-place writes functionalized into copies",
-    ),
-    Pass(
-        "dead_writes",
-        lambda trace, context: dead_writes.drop_dead_writes(trace),
-        "an in-place write into storage the trace made (no input's) that nothing reads afterwards is "
-        "dropped, with the work only it read",
-        "after stale_reads, which judges the program as written; before consumption, which then "
-        "sees no reader of a dead GEMM",
-        "writes into existing storage are explicit (copy_, update_aliases), as Writes reads them",
     ),
     Pass(
         "consumption",

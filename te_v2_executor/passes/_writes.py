@@ -105,7 +105,10 @@ def written_tensor(bsym: BoundSymbol) -> TensorProxy | None:
     """The existing tensor ``bsym`` writes into, or None: ``copy_``'s destination, an in-place op's
     first tensor argument, a te_v2 GEMM's ``accumulate_into``. ``prims.copy_(src, dst)`` writes its
     second argument; ``Tensor.copy_`` (``ltorch.copy_(dst, src)``) its first, as the
-    ``prims.copy_`` it decomposes into says."""
+    ``prims.copy_`` it decomposes into says. A copy of a tensor into itself (``x.copy_(x)``)
+    changes no value and writes nothing."""
+    if bsym.sym.name == "copy_" and len(bsym.args) >= 2 and bsym.args[0] is bsym.args[1]:
+        return None
     if bsym.sym.id == prims.PrimIDs.COPY_:
         return bsym.args[1]
     at = ACCUMULATE_ARG.get(bsym.sym)

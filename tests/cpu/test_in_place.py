@@ -335,3 +335,66 @@ def test_tensor_copy_writes_its_first_argument():
     jitted = thunder.jit(model, executors=[te_v2, torch_compile_ex], fusion_type="dataflow")
     x = torch.randn(4, 8, 64)
     torch.testing.assert_close(jitted(x.clone()), model(x.clone()), rtol=1e-5, atol=1e-5)
+
+
+class _DeadReadThroughAnotherName(nn.Module):
+    """``v`` is ``h`` (a dropout of probability 0 returns a view); ``v.copy_(...)`` writes ``h``,
+    which ``g.add_(h)`` then reads by its first name, a read Thunder differentiates as if the
+    write had not happened, but whose result nothing reads: ``g`` is not read after it (fuzz seed
+    7001, program 145)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l2 = nn.Linear(16, 32, bias=False)
+        self.l6 = nn.Linear(32, 32, bias=False).requires_grad_(False)
+        self.l7 = nn.Linear(32, 16, bias=False).requires_grad_(False)
+        self.l8 = nn.Linear(16, 32, bias=False).requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.l2(x)
+        g = self.l6(h)
+        v = nn.functional.dropout(h, p=0.0)
+        w = self.l8(self.l7(v))
+        v.copy_(w)
+        y = g + w
+        g.add_(h)
+        return y
+
+
+def test_a_dead_read_through_another_name_is_not_refused():
+    """A write nothing reads afterwards is dropped before the stale reads are judged, with the
+    read only it used, so the backward computes eager's gradient instead of refusing."""
+    te_v2 = make_te_v2(backend="reference", recipe=current_scaling(), claim=ClaimPolicy(min_features=512))
+    model = _DeadReadThroughAnotherName()
+    jitted = thunder.jit(model, executors=[te_v2, torch_compile_ex], fusion_type="dataflow")
+    x = torch.randn(2, 16, 16)
+    jitted(x).square().sum().backward()
+    grad, model.l2.weight.grad = model.l2.weight.grad, None
+    model(x).square().sum().backward()
+    torch.testing.assert_close(grad, model.l2.weight.grad, rtol=1e-5, atol=1e-5)
+
+
+class _SelfCopy(nn.Module):
+    """``x.copy_(x)`` between a view of ``x`` and the linear that reads the view (fuzz seed 7001,
+    program 380, shrunk)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l = nn.Linear(48, 48, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        v = nn.functional.dropout(x, p=0.0)
+        x.copy_(x)
+        return self.l(v)
+
+
+def test_a_copy_of_a_tensor_into_itself_writes_nothing():
+    """It changes no value, so the wgrad's read of the input after it is not refused as stale."""
+    te_v2 = make_te_v2(backend="reference", recipe=current_scaling(), claim=ClaimPolicy(min_features=512))
+    model = _SelfCopy()
+    jitted = thunder.jit(model, executors=[te_v2, torch_compile_ex], fusion_type="dataflow")
+    x = torch.randn(32, 48)
+    jitted(x.clone()).square().sum().backward()
+    grad, model.l.weight.grad = model.l.weight.grad, None
+    model(x.clone()).square().sum().backward()
+    torch.testing.assert_close(grad, model.l.weight.grad, rtol=1e-5, atol=1e-5)
