@@ -130,7 +130,8 @@ class _CheckedRunner(CUDAGraphRunner):
                 raise RuntimeError(
                     f"te_v2: {name}, which CUDA graph {fn_name} reads in place, is no longer where it was "
                     "when the graph was captured (its memory was freed and allocated again, as FSDP2 "
-                    "does when it unshards a parameter), so the replay read whatever is there now. "
+                    "does when it unshards a parameter, or `param.data = ...` does), so the replay "
+                    "read whatever is there now. "
                     "Leave TEv2CUDAGraphTransform out where parameters move between steps."
                 )
         torch.autograd.graph.increment_version(replayed.written)
