@@ -215,8 +215,8 @@ PIPELINE: tuple[Pass, ...] = (
     Pass(
         "write_order",
         lambda trace, context: write_order.order_writes(trace),
-        "each in-place write waits for every earlier reader of its storage it does not already depend on, "
-        "and then every later reader waits for it",
+        "each in-place write waits for every earlier reader of its storage it does not already depend on "
+        "(and for a copy from it), and then every later reader waits for it",
         "after every pass that adds or moves a te_v2 read",
         "writes into existing storage are explicit, as Writes reads them",
     ),

@@ -126,6 +126,15 @@ def written_tensor(bsym: BoundSymbol) -> TensorProxy | None:
     return None
 
 
+def copy_source(bsym: BoundSymbol) -> TensorProxy | None:
+    """The tensor a ``copy_`` copies from (its argument other than the one it writes), or None for
+    any other symbol."""
+    if bsym.sym.name != "copy_":
+        return None
+    written = written_tensor(bsym)
+    return next((p for p in _tensors(bsym.args) if p is not written), None)
+
+
 def _aliased_pairs(bsym: BoundSymbol) -> Iterator[tuple[TensorProxy, TensorProxy]]:
     """(output, input) pairs of ``bsym`` that may share storage."""
     outs = _tensors(bsym.flat_outs)

@@ -9,7 +9,9 @@ the write went before a te_v2 GEMM that read the tensor (``y = linear(h); h.mul_
 doubled ``y``), or before the region of a sum that came after one (``v = a(x); s = v + b(x);
 v.mul_(0.5)`` halved ``s``), silently. Here the write reads its tensor through ``te_v2_ordered``,
 which returns it unchanged and takes an output of each earlier reader the write does not already
-depend on, in the same half of the trace (the backward runs after the whole forward anyway).
+depend on, in the same half of the trace (the backward runs after the whole forward anyway), and
+of an earlier copy from it even where the write depends on the copy, so that the two never share
+a TorchInductor region (``_copied_from``).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from thunder.core.symbol import BoundSymbol
 from thunder.core.trace import TraceCtx
 
 from te_v2_executor.passes._trace import ordered_read, replaced
-from te_v2_executor.passes._writes import Writes, reads_values, written_tensor
+from te_v2_executor.passes._writes import Writes, copy_source, reads_values, written_tensor
 from te_v2_executor.symbols import in_backward
 
 
@@ -31,6 +33,15 @@ def _marker(bsym: BoundSymbol) -> Proxy | None:
     ``amax_ready``), which keeps no memory alive; else its first tensor."""
     outs = list(bsym.flat_proxy_outs)
     return next((o for o in outs if not isinstance(o, TensorProxy)), outs[0] if outs else None)
+
+
+def _copied_from(bsym: BoundSymbol, target: TensorProxy, writes: Writes) -> bool:
+    """Whether ``bsym`` copies from ``target``'s storage: a write into that storage after it must
+    not share a TorchInductor region with it, even where the write depends on the copy. Inductor
+    (torch 2.11) then stores the source's new value into the copy as well (``x.copy_(v);
+    v.add_(x)`` left ``x`` twice ``v``; fuzz seed 7002 program 39)."""
+    source = copy_source(bsym)
+    return source is not None and writes.same_storage(source, target)
 
 
 def _ancestors(bsym: BoundSymbol, producers: Any) -> set[int]:
@@ -95,7 +106,7 @@ def order_writes(trace: TraceCtx) -> TraceCtx:
         markers = [
             m
             for r in order[:at]
-            if id(r) not in ancestors
+            if (id(r) not in ancestors or _copied_from(r, target, writes))
             and reads_values(r)
             and in_backward(r) == in_backward(writer)
             and any(writes.same_storage(p, target) for p in r.flat_proxy_args if isinstance(p, TensorProxy))

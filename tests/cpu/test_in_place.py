@@ -398,3 +398,34 @@ def test_a_copy_of_a_tensor_into_itself_writes_nothing():
     grad, model.l.weight.grad = model.l.weight.grad, None
     model(x.clone()).square().sum().backward()
     torch.testing.assert_close(grad, model.l.weight.grad, rtol=1e-5, atol=1e-5)
+
+
+class _CopyThenWriteTheSource(nn.Module):
+    """``x.copy_(v)``, then ``v.add_(x)`` with ``v`` a linear's output (fuzz seed 7002, program
+    39)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l0 = nn.Linear(64, 64, bias=False).requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        v = self.l0(x)
+        x.copy_(v)
+        v.add_(x)
+        return v
+
+
+@pytest.mark.parametrize("fusion_type", [None, "dataflow"])
+def test_a_write_into_a_copys_source_runs_in_another_region_than_the_copy(fusion_type):
+    """te_v2's GEMM leaves ``v`` an input of the region after it, and TorchInductor, given the copy
+    and the write in one region, stored ``v``'s new value into ``x`` too: ``x`` came out twice
+    ``v``, silently. The write now reads ``v`` through ``te_v2_ordered``, which no fuser takes in."""
+    te_v2 = make_te_v2(backend="reference", recipe=current_scaling(), claim=ClaimPolicy(min_features=512))
+    model = _CopyThenWriteTheSource()
+    options = {"fusion_type": fusion_type} if fusion_type else {}
+    jitted = thunder.jit(model, executors=[te_v2, torch_compile_ex], **options)
+    x = torch.randn(4, 8, 64)
+    expected_x, actual_x = x.clone(), x.clone()
+    expected = model(expected_x)
+    torch.testing.assert_close(jitted(actual_x), expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(actual_x, expected_x, rtol=1e-5, atol=1e-5)
