@@ -82,7 +82,9 @@ class TEv2CUDAGraphTransform(CUDAGraphTransform):
 
 class _Replayed(NamedTuple):
     """What a captured graph reads in place and writes: its in-place arguments, each with its
-    position and its address at capture, and its outputs that no argument shares storage with."""
+    position and its address at capture, and its outputs that no argument shares storage with.
+    ``outputs``, the graph's static outputs, is held so that its ``id``, the runner's key for this
+    entry, stays its own."""
 
     outputs: Any
     fixed: list[tuple[int, torch.Tensor, int]]
@@ -111,7 +113,7 @@ class _CheckedRunner(CUDAGraphRunner):
         built = super().build_cuda_graph(fn, args, static_args_mask)
         outputs = built[2]
         in_place = (i for i, static in enumerate(static_args_mask) if static)
-        fixed = [(i, args[i], _address(args[i])) for i in in_place if _address(args[i]) is not None]
+        fixed = [(i, args[i], at) for i in in_place if (at := _address(args[i])) is not None]
         read = {_address(a, storage=True) for a in args} - {None}
         written = [
             t

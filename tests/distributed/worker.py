@@ -77,6 +77,11 @@ class Run:
         make = {"full": lambda: Stack([DIM] * 4), "lora": lambda: LoRAStack([DIM] * 3, rank=16)}[kind]
         return make().to(self.device, dtype)
 
+    @property
+    def mine(self) -> slice:
+        """This rank's rows of a global batch."""
+        return slice(self.rank * TOKENS_PER_RANK, (self.rank + 1) * TOKENS_PER_RANK)
+
     def global_batch(self, world: int | None = None) -> list[torch.Tensor]:
         """STEPS global batches, the same on every rank, of a run on ``world`` ranks (this one's
         when None)."""
@@ -213,6 +218,18 @@ def local(p: torch.Tensor) -> torch.Tensor:
     return p.to_local() if hasattr(p, "to_local") else p
 
 
+def local_weights(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """This rank's part of each parameter of ``module``, on the CPU."""
+    return {n: local(p).detach().cpu() for n, p in module.named_parameters()}
+
+
+def summed_over_ranks(losses: list[torch.Tensor], run: Run) -> list[torch.Tensor]:
+    """Each step's loss summed over the ranks, as the single-process run's over the global batch."""
+    gathered = [None] * run.world
+    dist.all_gather_object(gathered, losses)
+    return [torch.stack(per_rank).sum(0) for per_rank in zip(*gathered, strict=True)]
+
+
 def linear_reports(module: Any) -> list[tuple[str, Any]]:
     """(name, report row) of every te_v2 linear of ``module``'s Thunder functions, each name
     prefixed with its function's position (the regions of a ``thunderfx`` object name their
@@ -253,8 +270,7 @@ def scenario(name: str, run: Run, out: Path) -> None:
         found = (checkpointed if wrapper == "fsdp2_checkpoint" else restored)(kind, run, out)
         torch.save({"rank": run.rank, "world": run.world, **found}, out / f"{name}.rank{run.rank}.pt")
         return
-    batches = run.global_batch()
-    mine = slice(run.rank * TOKENS_PER_RANK, (run.rank + 1) * TOKENS_PER_RANK)
+    batches, mine = run.global_batch(), run.mine
     result: dict[str, Any] = {"rank": run.rank, "world": run.world}
 
     if wrapper != "builtin_ddp":
@@ -271,13 +287,9 @@ def scenario(name: str, run: Run, out: Path) -> None:
         losses, calls = train(
             fn, params, [x[mine] for x in batches], run, distributed=True, scoped=wrapper == "fsdp2"
         )
-    gathered = [None] * run.world
-    dist.all_gather_object(gathered, losses)
-    result["losses"] = [torch.stack(per_rank).sum(0) for per_rank in zip(*gathered, strict=True)]
+    result["losses"] = summed_over_ranks(losses, run)
     result["amax_all_reduces"] = calls
-    result["weights"] = {
-        n: local(p).detach().cpu() for n, p in (model if wrapper == "fsdp2" else module).named_parameters()
-    }
+    result["weights"] = local_weights(model if wrapper == "fsdp2" else module)
     if wrapper != "builtin_ddp":
         result["quant_state"] = quant_state(module)
         result["report"] = [(name, r.claimed, r.dgrad, r.wgrad) for name, r in linear_reports(module)]
@@ -298,17 +310,14 @@ def checkpointed(kind: str, run: Run, out: Path) -> dict[str, Any]:
 
     model = run.model(kind)
     fn, module, params = fully_sharded(model, run, per_layer=False)
-    mine = slice(run.rank * TOKENS_PER_RANK, (run.rank + 1) * TOKENS_PER_RANK)
-    batches = [x[mine] for x in run.global_batch()]
+    batches = [x[run.mine] for x in run.global_batch()]
     train(fn, params, batches[:CHECKPOINT_STEPS], run, distributed=True, scoped=True)
     state = {"model": get_model_state_dict(model), "quantization": quantization_state_dict(fn)}
     dcp.save(state, checkpoint_id=out / f"checkpoint-{kind}")
     losses, _ = train(fn, params, batches[CHECKPOINT_STEPS:], run, distributed=True, scoped=True)
-    gathered = [None] * run.world
-    dist.all_gather_object(gathered, losses)
     return {
-        "losses": [torch.stack(per_rank).sum(0) for per_rank in zip(*gathered, strict=True)],
-        "weights": {n: local(p).detach().cpu() for n, p in model.named_parameters()},
+        "losses": summed_over_ranks(losses, run),
+        "weights": local_weights(model),
         "quant_state": quant_state(module),
     }
 
@@ -338,7 +347,7 @@ def restored(kind: str, run: Run, out: Path) -> dict[str, Any]:
     losses, _ = train(fn, params, batches, run, distributed=False, scoped=True, data_parallel=saved["world"])
     return {
         "losses": losses,
-        "weights": {n: local(p).detach().cpu() for n, p in model.named_parameters()},
+        "weights": local_weights(model),
         "quant_state": quant_state(module),
     }
 
