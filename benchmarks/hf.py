@@ -71,15 +71,16 @@ def _cold_env(cache: Path) -> dict[str, str]:
 
 
 def _thunderfx(
-    listing: Callable[[], list], transforms: Callable[[], list] = list
+    listing: Callable[[], list], transforms: Callable[[], list] = list, *, causal: bool = True
 ) -> Callable[[torch.nn.Module], Callable]:
-    """The builder of a thunderfx callable with the executors ``listing()`` lists and the
-    transforms ``transforms()`` makes, imported in the worker that builds it."""
+    """The builder of a ``te_v2_executor.thunderfx`` callable with the executors ``listing()``
+    lists and the transforms ``transforms()`` makes, imported in the worker that builds it;
+    ``causal``: whether masks proved causal run causal (without it, it is Thunder's thunderfx)."""
 
     def build(model: torch.nn.Module) -> Callable:
-        from thunder.dynamo import thunderfx
+        from te_v2_executor import thunderfx
 
-        return thunderfx(model, executors=listing(), transforms=transforms())
+        return thunderfx(model, executors=listing(), transforms=transforms(), fold_causal_masks=causal)
 
     return build
 
@@ -202,7 +203,7 @@ VARIANTS: dict[str, tuple[Callable[[torch.nn.Module], Callable], bool]] = {
     "torch.compile BF16": (torch.compile, False),
     "te.Linear eager": (_to_te_linears, True),
     "torchao float8 + torch.compile": (_torchao, False),
-    "thunderfx BF16": (_thunderfx(_te_v2_fusers), False),
+    "thunderfx BF16": (_thunderfx(_te_v2_fusers, causal=False), False),
     "thunderfx + built-in TE": (_builtin_te, True),
     "thunderfx + te_v2": (_thunderfx(_te_v2_default), True),
     "thunderfx + te_v2 + CUDA graphs": (_thunderfx(_te_v2_default, _cuda_graphs), True),
@@ -210,10 +211,14 @@ VARIANTS: dict[str, tuple[Callable[[torch.nn.Module], Callable], bool]] = {
 # Ablations of the default list, for choosing it, and of each optional pass, for keeping it: run
 # with --variants.
 ABLATIONS = {
-    "thunderfx + te_v2, Thunder's default executors": (_thunderfx(_te_v2_thunder_defaults), True),
+    "thunderfx + te_v2, Thunder's default executors": (
+        _thunderfx(_te_v2_thunder_defaults, causal=False),
+        True,
+    ),
     "thunderfx + te_v2, Thunder's SDPA attention": (_thunderfx(lambda: _te_v2_attention("sdpa")), True),
     "thunderfx + te_v2, attention in TorchInductor": (_thunderfx(lambda: _te_v2_attention("inductor")), True),
-    "thunderfx BF16, nvFuser": (_thunderfx(_nvfuser_after(False)), False),
+    "thunderfx BF16, nvFuser": (_thunderfx(_nvfuser_after(False), causal=False), False),
+    "thunderfx + te_v2, masked attention": (_thunderfx(_te_v2_default, causal=False), True),
     "thunderfx + te_v2, nvFuser": (_thunderfx(_nvfuser_after(True)), True),
     **{f"thunderfx + te_v2 without {name}": (_thunderfx(_te_v2_without(name)), True) for name in OPTIONAL},
 }
@@ -498,6 +503,10 @@ def main(argv: list[str] | None = None) -> int:
         f"# Hugging Face Llama on {torch.cuda.get_device_name()} ({BATCH} x {SEQUENCE} tokens, median of {args.steps} steps)\n"
     )
     print(table(rows))
+    from benchmarks.plots import write_hf_plots
+
+    for path in write_hf_plots(rows, args.out):
+        print(f"wrote {path}")
     return 0
 
 

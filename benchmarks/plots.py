@@ -79,3 +79,19 @@ def write_plots(results: list[dict[str, Any]], out: Path) -> list[Path]:
             _sweep(rows, axis, out / f"sweep_{suite}.png")
             written.append(out / f"sweep_{suite}.png")
     return written
+
+
+def write_hf_plots(rows: list[dict[str, Any]], out: Path) -> list[Path]:
+    """Step time and peak memory above the model per variant of the real-model suite, one group of
+    bars per model and scenario."""
+    measured = [dict(r, config=f"{r['model']} {r['scenario']}") for r in rows if r.get("step_ms") is not None]
+    if not measured:
+        return []
+    written = []
+    for metric, label, name in (
+        ("step_ms", "step time (ms)", "hf_step_time.png"),
+        ("peak_mib_above_model", "peak MiB above the model", "hf_memory.png"),
+    ):
+        _bars(measured, metric, label, out / name)
+        written.append(out / name)
+    return written

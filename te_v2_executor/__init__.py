@@ -5,12 +5,14 @@ FP8 copies and state updates the backward really consumes.
     import te_v2_executor
 
     jitted = thunder.jit(model, executors=te_v2_executor.executors())
+    compiled = te_v2_executor.thunderfx(model)  # through torch.compile's Dynamo
 """
 
 from te_v2_executor.backends import Backend
 from te_v2_executor.checkpoint import quantization_state_template
 from te_v2_executor.config import ClaimPolicy, TEv2Config
 from te_v2_executor.cuda_graphs import TEv2CUDAGraphTransform
+from te_v2_executor.dynamo import TEv2Compiler, thunderfx
 from te_v2_executor.executor import (
     TEv2Executor,
     TEv2FallbackWarning,
@@ -40,6 +42,7 @@ __all__ = [
     "Scaling",
     "StateKey",
     "TEv2CUDAGraphTransform",
+    "TEv2Compiler",
     "TEv2Config",
     "TEv2Executor",
     "TEv2FallbackWarning",
@@ -56,4 +59,5 @@ __all__ = [
     "quantization_state_template",
     "quantization_update_scope",
     "te_v2",
+    "thunderfx",
 ]

@@ -84,3 +84,41 @@ def test_every_projection_family_follows_bf16_eager(scenario, compiled_first):
     cosines = grad_cosines(grads, reference)
     print(f"\n[{scenario}, {'after torch.compile' if compiled_first else 'fresh'}] cosines: {cosines}")
     assert all(c > MIN_COSINE for c in cosines.values()), cosines
+
+
+@pytest.mark.parametrize("scenario", ["lora", "full"])
+def test_te_v2s_thunderfx_runs_a_llamas_attentions_causal_on_cudnn(scenario):
+    """``te_v2_executor.thunderfx``: the mask Hugging Face builds is proved causal
+    (``causal_masks``), the model is one Thunder region, each attention runs on te_v2's cuDNN
+    attention with ``is_causal`` and no mask, and every projection family's gradients follow BF16
+    eager's as closely as through Thunder's thunderfx, where the attention reads the mask."""
+    import thunder
+    from thunder.dynamo import thunderfx as thunders_thunderfx
+
+    import te_v2_executor
+    from benchmarks.hf import llama
+    from te_v2_executor import attention, executors
+    from tests.gpu.common import te_v2_claiming_all
+
+    model = llama(SMALL, scenario)
+    ids = torch.randint(0, 512, (2, 128), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    reference = _grads(model, model, ids)
+    cosines = {}
+    for entry in (te_v2_executor.thunderfx, thunders_thunderfx):
+        torch._dynamo.reset()
+        compiled = entry(model, executors=executors(te_v2_claiming_all()))
+        for _ in range(2):
+            grads = _grads(compiled, model, ids)
+        cosines[entry.__module__] = grad_cosines(grads, reference)
+        if entry is te_v2_executor.thunderfx:
+            (info,) = compiled._backend.subgraph_infos
+            assert (
+                not info.split_reasons and compiled._backend.causal_attentions == SMALL["num_hidden_layers"]
+            )
+            (fn,) = info.thunder_compiled_fns
+            calls = [b for b in thunder.last_traces(fn)[-1].bound_symbols if b.sym.id == attention.FORWARD.id]
+            assert len(calls) == SMALL["num_hidden_layers"]
+            assert all(b.args[3] is None and b.args[4] is True for b in calls), [b.args[3:5] for b in calls]
+    ours, theirs = cosines.values()
+    print(f"\n[{scenario}] cosines, te_v2's thunderfx: {ours}; Thunder's: {theirs}")
+    assert all(ours[f] > MIN_COSINE and abs(ours[f] - theirs[f]) < 0.01 for f in ours), cosines
