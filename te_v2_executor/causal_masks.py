@@ -72,7 +72,7 @@ _READ_FUNCTIONS = (
     | _named(
         (torch, operator, torch.nn.functional),
         _words(
-            "truediv div pow matmul linear embedding softmax log_softmax cross_entropy sigmoid tanh exp "
+            "truediv div pow matmul linear softmax log_softmax cross_entropy sigmoid tanh exp "
             "log rsqrt sqrt mean sum cos sin where cat stack"
         ),
     )
@@ -107,7 +107,8 @@ def fold(gm: torch.fx.GraphModule) -> int:
         made_of = _ancestry(mask, constant)
         if not _only_read(made_of):
             continue
-        if _is_causal_for(node, _evaluate(mask, made_of, values)):
+        value = _evaluate(mask, made_of, values)
+        if _exact(made_of, values) and _is_causal_for(node, value):
             _rewrite(node, {_ATTN_MASK: None, _IS_CAUSAL: True})
             folded.append(node)
     if folded:
@@ -183,6 +184,14 @@ def _evaluate(node: torch.fx.Node, made_of: list[torch.fx.Node], values: dict[to
             else:
                 values[n] = n.target(*args, **kwargs)
     return values[node]
+
+
+def _exact(made_of: list[torch.fx.Node], values: dict[torch.fx.Node, Any]) -> bool:
+    """Whether every tensor the mask was computed through is of an integer or boolean dtype, on
+    which no autocast casts and no reduction order rounds: a floating-point step could compute
+    otherwise at run time (autocast runs ``cumsum`` in float32 on CUDA) than here."""
+    tensors = [values[n] for n in made_of if isinstance(values[n], torch.Tensor)]
+    return all(not (t.is_floating_point() or t.is_complex()) for t in tensors)
 
 
 def _static_shape(node: Any) -> tuple[int, ...] | None:
