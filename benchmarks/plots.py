@@ -30,6 +30,19 @@ def _bars(rows: list[dict[str, Any]], metric: str, ylabel: str, path: Path) -> N
     plt.close(fig)
 
 
+def _step_time_and_memory(rows: list[dict[str, Any]], out: Path, *, prefix: str) -> list[Path]:
+    """Bars of step time and of peak memory above the model per variant and configuration, into
+    ``{prefix}step_time.png`` and ``{prefix}memory.png``."""
+    written = []
+    for metric, label, name in (
+        ("step_ms", "step time (ms)", "step_time.png"),
+        ("peak_mib_above_model", "peak MiB above the model", "memory.png"),
+    ):
+        _bars(rows, metric, label, out / f"{prefix}{name}")
+        written.append(out / f"{prefix}{name}")
+    return written
+
+
 def _sweep(rows: list[dict[str, Any]], axis: str, path: Path) -> None:
     import matplotlib.pyplot as plt
 
@@ -63,12 +76,7 @@ def write_plots(results: list[dict[str, Any]], out: Path) -> list[Path]:
     written = []
     main = [r for r in results if r["suite"] == "main"]
     if main:
-        for metric, label, name in (
-            ("step_ms", "step time (ms)", "step_time.png"),
-            ("peak_mib_above_model", "peak MiB above the model", "memory.png"),
-        ):
-            _bars(main, metric, label, out / name)
-            written.append(out / name)
+        written += _step_time_and_memory(main, out, prefix="")
     ddp = [r for r in results if r["suite"] == "ddp"]
     if ddp:
         _bars(ddp, "step_ms", "DDP step time (ms)", out / "ddp_step_time.png")
@@ -85,13 +93,4 @@ def write_hf_plots(rows: list[dict[str, Any]], out: Path) -> list[Path]:
     """Step time and peak memory above the model per variant of the real-model suite, one group of
     bars per model and scenario."""
     measured = [dict(r, config=f"{r['model']} {r['scenario']}") for r in rows if r.get("step_ms") is not None]
-    if not measured:
-        return []
-    written = []
-    for metric, label, name in (
-        ("step_ms", "step time (ms)", "hf_step_time.png"),
-        ("peak_mib_above_model", "peak MiB above the model", "hf_memory.png"),
-    ):
-        _bars(measured, metric, label, out / name)
-        written.append(out / name)
-    return written
+    return _step_time_and_memory(measured, out, prefix="hf_") if measured else []

@@ -73,7 +73,7 @@ _READ_FUNCTIONS = (
         (torch, operator, torch.nn.functional),
         _words(
             "truediv div pow matmul linear softmax log_softmax cross_entropy sigmoid tanh exp "
-            "log rsqrt sqrt mean sum cos sin where cat stack"
+            "log rsqrt sqrt mean sum cos sin where"
         ),
     )
     | {_SDPA}
