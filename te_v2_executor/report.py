@@ -30,6 +30,7 @@ from te_v2_executor.symbols import (
     UNQUANTIZED_SYMBOLS,
     arg,
     in_backward,
+    is_input_recast,
     is_recast,
     is_recompute,
     is_thunder_linear,
@@ -49,6 +50,7 @@ class LinearReport:
     shares_input: bool = False  # reads x as another linear's forward cast it (passes/shared_inputs.py)
     saves_weight_t: bool = False  # forward keeps the column-wise FP8 copy of W (for dgrad)
     recasts_weight_t: bool = False  # the backward casts W again for dgrad instead (passes/recasts.py)
+    recasts_input_t: bool = False  # the backward casts x again for wgrad instead (passes/input_recasts.py)
     dgrad: bool = False
     wgrad: bool = False
     bgrad: bool = False  # an FP8 linear's; an unquantized one's bias grad is Thunder's own sum
@@ -70,6 +72,7 @@ _HEADER = (
     "saves x^T",
     "saves W^T",
     "recasts W^T",
+    "recasts x^T",
     "recomputed",
 )
 
@@ -102,6 +105,7 @@ class Report:
                                 r.saves_input_t,
                                 r.saves_weight_t,
                                 r.recasts_weight_t,
+                                r.recasts_input_t,
                                 r.recomputed,
                             )
                         ),
@@ -148,6 +152,8 @@ def _claimed_linears(trace: TraceCtx) -> dict[Any, dict[str, Any]]:
         if bsym.sym is LINEAR_FWD:
             if is_recast(bsym):
                 site["recasts_weight_t"] = True
+            elif is_input_recast(bsym):
+                site["recasts_input_t"] = True
             elif is_recompute(bsym):
                 site["recomputed"] = True
             else:

@@ -50,9 +50,13 @@ def _flat_shape(t: TensorProxy) -> tuple[int, int]:
 # ``gelu``: x is the input of an exact GELU whose output the linear reads (``passes/gelu.py``).
 # ``up``: x is the gate of a SwiGLU, silu(x) * up, whose output the linear reads
 # (``passes/swiglu.py``).
-# A forward that only saves the weight's copy takes no x (a recast, ``passes/recasts.py``).
+# A forward that only saves the weight's copy takes no x (a recast, ``passes/recasts.py``); one
+# that only saves the input's copy takes no w (``passes/input_recasts.py``).
 # ``x_q``: x as ``te_v2_quantize_input`` cast it once for every forward that reads it
 # (``passes/shared_inputs.py``); the forward reads that copy and casts only W.
+# ``times``: the input is x * times, a product of two tensors of x's shape and dtype, computed as
+# PyTorch's ``*`` computes it (``passes/input_recasts.py``, so that the backward can compute it
+# again bitwise).
 # ``after``: a tensor the symbol waits for without reading it. A recast waits for the gradient
 # its dgrad reads: with no input made in the backward, a fuser's reordering (Thunder's dataflow
 # fusion, which thunderfx selects) would hoist it to the start of the backward, its copy alive
@@ -74,6 +78,7 @@ def _linear_fwd_meta(
     replay=None,
     replay_row=0,
     after=None,
+    times=None,
 ):
     y = TensorProxy(like=x, shape=(*x.shape[:-1], w.shape[0])) if compute_output else None
     x_saved = _fp8_proxy(x, _flat_shape(x), state, forward=True) if save_input else None
@@ -96,13 +101,14 @@ def _linear_fwd_impl(
     replay=None,
     replay_row=0,
     after=None,
+    times=None,
 ):
     if replay is None:
-        scaling = state.forward_scaling(w.device)
+        scaling = state.forward_scaling((w if w is not None else x).device)
     else:
         scaling = state.numerics.ScalingState.replaying(state.recipe, replay[replay_row])
     y, x_saved, w_saved = state.numerics.linear_fwd(
-        x,
+        x if times is None else x * times,
         w,
         bias,
         scaling,
@@ -123,15 +129,17 @@ LINEAR_FWD = ops.register_operator("te_v2_linear_fwd", meta=_linear_fwd_meta, fn
 # ``x_q`` (row-wise) is read by the forwards' GEMMs, ``x_saved`` (column-wise, when a wgrad reads
 # it) by their wgrads; two tensors, so that the row-wise copy dies after the last forward.
 # ``sharers``: the states of the other forwards, into whose input amax the cast's is recorded too.
+# ``times``: as for ``te_v2_linear_fwd``.
 
 
-def _quantize_input_meta(x, *, state, sharers, columnwise):
+def _quantize_input_meta(x, *, state, sharers, columnwise, times=None):
     x_q = _fp8_proxy(x, _flat_shape(x), state, forward=True)
     return x_q, _fp8_proxy(x, _flat_shape(x), state, forward=True) if columnwise else None
 
 
-def _quantize_input_impl(x, *, state, sharers, columnwise):
+def _quantize_input_impl(x, *, state, sharers, columnwise, times=None):
     scalings = [s.forward_scaling(x.device) for s in sharers]
+    x = x if times is None else x * times
     return state.numerics.quantize_input(x, state.forward_scaling(x.device), scalings, columnwise=columnwise)
 
 
@@ -469,6 +477,11 @@ def is_recompute(bsym: BoundSymbol) -> bool:
 def is_recast(bsym: BoundSymbol) -> bool:
     """The backward's cast of a forward's weight alone, for its dgrads (``passes/recasts.py``)."""
     return is_recompute(bsym) and arg(bsym, "x") is None
+
+
+def is_input_recast(bsym: BoundSymbol) -> bool:
+    """The backward's cast of a forward's input alone, for its wgrads (``passes/input_recasts.py``)."""
+    return is_recompute(bsym) and arg(bsym, "w") is None
 
 
 def is_forward_linear(bsym: BoundSymbol) -> bool:

@@ -25,6 +25,7 @@ from te_v2_executor.passes import (
     dead_writes,
     gelu,
     handback,
+    input_recasts,
     narrowings,
     recasts,
     recompute_guard,
@@ -210,6 +211,16 @@ PIPELINE: tuple[Pass, ...] = (
         "so the narrow tensor is saved",
         "after every fold: it moves the backward reads every other pass leaves",
         "the backward's bound symbols carry Thunder's backward tag, as its grad transform gives them",
+        optional=True,
+    ),
+    Pass(
+        "input_recasts",
+        lambda trace, context: input_recasts.recast_inputs(trace, graphed=context.graphed),
+        "wgrads cast their input again in the backward where the backward keeps it (or views of it) "
+        "anyway, so the forward saves no FP8 copy of it",
+        "after every fold and widenings, which decide what the backward reads and what each forward "
+        "casts; before write_order, which orders the writes after the recasts' reads",
+        "each forward saves exactly the copies its readers read; no CUDA graphs, as for weight_recasts",
         optional=True,
     ),
     Pass(

@@ -181,3 +181,32 @@ def plain_product(gemm: BoundSymbol) -> bool:
     if gemm.sym in ACCUMULATE_ARG and arg(gemm, "accumulate_into") is not None:
         return False
     return not (gemm.sym is UNQUANTIZED_FWD and arg(gemm, "bias") is not None)
+
+
+def product(p: Any, producers: Any) -> tuple[TensorProxy, TensorProxy, list[BoundSymbol]] | None:
+    """When tensor ``p`` is the product of two tensors of its dtype and shape (their multiply, or
+    Thunder's way for bfloat16: in float32 between their exact widenings, then the cast back, which
+    computes what PyTorch's ``a * b`` does): them, and the product's ops, from the one that makes
+    ``p`` back."""
+    last = producers.get(p, None)
+    mul, chain = last, [last]
+    wider = is_cast(last)  # multiplied in a wider dtype: each operand an exact widening
+    if wider:
+        mul = producers.get(last.args[0], None)
+        chain.append(mul)
+    if mul is None or mul.sym.name != "mul" or len(mul.args) != 2 or mul.kwargs:
+        return None
+    operands = []
+    for a in mul.args:
+        if not isinstance(a, TensorProxy):
+            return None
+        if wider:
+            widening = producers.get(a, None)
+            if not exact_widening(widening):
+                return None
+            chain.append(widening)
+            a = widening.args[0]
+        operands.append(a)
+    if any(dtype(a) != dtype(p) or a.shape != p.shape for a in operands):
+        return None
+    return operands[0], operands[1], chain

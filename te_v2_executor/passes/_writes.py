@@ -56,7 +56,7 @@ _VIEW_OPS = {
 }
 
 
-def _names_as_run(symbols: Iterable[Any]) -> set[str]:
+def names_as_run(symbols: Iterable[Any]) -> set[str]:
     """The names of ``symbols`` and of the torch executor's symbols that run them, which differ
     for some (``prims.reshape`` runs as ``torch_prims_reshape_impl``, ``getitem`` as ``__getitem__``)."""
     names = set()
@@ -72,8 +72,8 @@ def _names_as_run(symbols: Iterable[Any]) -> set[str]:
 # versions and the torch executor's call them. Conversions are left to ``_same_dtype_cast``: one
 # to another dtype is a copy.
 _VIEW_NAMES = frozenset(
-    _names_as_run(ltorch._syms_returning_views | ltorch._syms_that_may_return_views)
-    | _names_as_run(s for module in (prims, ltorch) for n in _VIEW_OPS if (s := getattr(module, n, None)))
+    names_as_run(ltorch._syms_returning_views | ltorch._syms_that_may_return_views)
+    | names_as_run(s for module in (prims, ltorch) for n in _VIEW_OPS if (s := getattr(module, n, None)))
     | _VIEW_OPS
 ) - {"to", "convert_element_type"}
 # Reads of a proxy that do not read its values: a cotangent placeholder, the renaming of a

@@ -27,14 +27,7 @@ from thunder.core.symbol import BoundSymbol
 from thunder.core.trace import TraceCtx
 from thunder.core.transform_common import dce
 
-from te_v2_executor.passes._trace import (
-    Fold,
-    dtype,
-    exact_widening,
-    fold,
-    is_cast,
-    read_only_by,
-)
+from te_v2_executor.passes._trace import Fold, dtype, fold, product, read_only_by
 from te_v2_executor.symbols import (
     LINEAR_FWD,
     QUANTIZE_GRAD_OUTPUT,
@@ -46,36 +39,9 @@ from te_v2_executor.symbols import (
 )
 
 
-def _product(p: Any, producers: Any) -> tuple[TensorProxy, TensorProxy, list[BoundSymbol]] | None:
-    """When tensor ``p`` is the product of two tensors of its dtype and shape: them, and the
-    product's ops, from the one that makes ``p`` back."""
-    last = producers.get(p, None)
-    mul, chain = last, [last]
-    wider = is_cast(last)  # multiplied in a wider dtype: each operand an exact widening
-    if wider:
-        mul = producers.get(last.args[0], None)
-        chain.append(mul)
-    if mul is None or mul.sym.name != "mul" or len(mul.args) != 2 or mul.kwargs:
-        return None
-    operands = []
-    for a in mul.args:
-        if not isinstance(a, TensorProxy):
-            return None
-        if wider:
-            widening = producers.get(a, None)
-            if not exact_widening(widening):
-                return None
-            chain.append(widening)
-            a = widening.args[0]
-        operands.append(a)
-    if any(dtype(a) != dtype(p) or a.shape != p.shape for a in operands):
-        return None
-    return operands[0], operands[1], chain
-
-
 def _silu_times(p: Any, producers: Any) -> tuple[TensorProxy, TensorProxy, list[BoundSymbol]] | None:
     """When ``p`` is ``silu(g) * t``: g, t and the ops of the product and the SiLU."""
-    found = _product(p, producers)
+    found = product(p, producers)
     if found is None:
         return None
     *operands, chain = found
@@ -125,7 +91,7 @@ def _grad_folded(bsym: BoundSymbol, producers: Any, consumers: Any) -> Iterator[
     if silu_backward is None or silu_backward.sym is not SILU_BACKWARD:
         return
     ds, g = silu_backward.args
-    if (found := _product(ds, producers)) is None or dtype(g) != dtype(dy) or g.shape != dy.shape:
+    if (found := product(ds, producers)) is None or dtype(g) != dtype(dy) or g.shape != dy.shape:
         return
     t, u, chain = found
     if _made_in_forward(t, producers) and not _made_in_forward(u, producers):

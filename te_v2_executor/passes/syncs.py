@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from thunder.core import prims, utils
-from thunder.core.proxies import TensorProxy
+from thunder.core.proxies import TensorProxy, variableify
 from thunder.core.pytree import tree_flatten, tree_map
 from thunder.core.symbol import BoundSymbol
 from thunder.core.trace import TraceCtx, tracectx
@@ -111,3 +111,39 @@ def insert_syncs(trace: TraceCtx, *, grad_enabled: bool) -> TraceCtx:
     if backward is not None:
         trace = before_return(trace, BACKWARD_SYNC.bind(*grads, group=backward, output=None))
     return trace
+
+
+def replaying(
+    trace: TraceCtx, states: list[LinearQuantState]
+) -> tuple[TraceCtx, TensorProxy | None, dict[int, int]]:
+    """``trace`` with its forward sync snapshotting the scales of ``states`` too (forwards whose
+    casts a later pass has the backward make again), the snapshot, and each state's row in it, by
+    id; the snapshot is None and the rows empty where no forward sync updates them (a stateless
+    recipe, an inference trace)."""
+    bsyms = list(trace.bound_symbols)
+    at = next((i for i, b in enumerate(bsyms) if b.sym is FORWARD_SYNC), None)
+    if at is None:
+        return trace, None, {}
+    sync = bsyms[at]
+    group: SyncGroup = sync.kwargs["group"]
+    stateful, replayed = {id(s) for s in group.states}, {id(s) for s in group.replayed}
+    added = tuple({id(s): s for s in states if id(s) in stateful and id(s) not in replayed}.values())
+    if added:
+        group = SyncGroup(
+            group.states, forward=True, replayed=group.replayed + added, backward=group.backward
+        )
+        passed, old_replay = sync.output
+        with tracectx(trace):
+            _, replay = FORWARD_SYNC.meta(*sync.args, group=group)
+        bsyms[at] = sync.from_bsym(kwargs={**sync.kwargs, "group": group}, output=(passed, replay))
+        if old_replay is not None:  # the recomputed forwards that read it, rows unchanged
+            swap = {variableify(old_replay): replay}
+            bsyms = [
+                b.from_bsym_swap_proxies(swap, skip_output=True)
+                if any(a is old_replay for a in b.flat_proxy_args)
+                else b
+                for b in bsyms
+            ]
+        trace = with_bound_symbols(trace, bsyms)
+    rows = {id(s): i for i, s in enumerate(group.replayed)}
+    return trace, bsyms[at].output[1], rows

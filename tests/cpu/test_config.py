@@ -69,4 +69,5 @@ def test_the_optional_passes_are_the_folds():
         "swiglus",
         "activation_handback",
         "widenings",
+        "input_recasts",
     )

@@ -48,7 +48,8 @@ MODELS = {
     "checkpointed": lambda: CheckpointedBlock(DIM),
 }
 RECIPES = {"delayed": delayed_scaling, "current": current_scaling, "block": block_scaling}
-# (shares x, saves x^T) of each linear of LlamaLikeBlock when every weight trains
+# (shares x, saves x^T) of each linear of LlamaLikeBlock when every weight trains, without
+# ``input_recasts``, which casts every saved copy of this block again in the backward
 SHARED = {
     "q": (False, True),
     "k": (True, False),
@@ -102,7 +103,12 @@ def test_one_cast_per_input_trains_bitwise_as_one_per_linear(name, recipe):
 
 
 def test_the_report_names_who_shares_and_who_saves():
-    jitted, apart = _assert_same_training(LlamaLikeBlock(DIM), delayed_scaling())
+    model = LlamaLikeBlock(DIM)
+    twin = copy.deepcopy(model)
+    run = _train(model, delayed_scaling(), ("input_recasts",))
+    apart_run = _train(twin, delayed_scaling(), ("input_recasts", *OFF))
+    assert_trained_alike(model, twin, run, apart_run)
+    jitted, apart = run[0], apart_run[0]
     rows = dict(zip(SHARED, explain(jitted).linears, strict=True))
     assert {n: (r.shares_input, r.saves_input_t) for n, r in rows.items()} == SHARED
     assert all(r.saves_input_t for r in explain(apart).linears)

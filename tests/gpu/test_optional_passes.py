@@ -1,6 +1,8 @@
 """The passes that save memory, on TransformerEngine, on and off: ``weight_recasts`` (dgrads read
-W^T cast in the backward) and ``shared_inputs`` (one cast of an input several forwards read)
-train bitwise as without them, over steps whose delayed scales move, with the same GEMMs."""
+W^T cast in the backward), ``shared_inputs`` (one cast of an input several forwards read) and
+``input_recasts`` (wgrads read x^T cast in the backward: down_proj's, from the SwiGLU's operands
+through te_v2's fused kernel) train bitwise as without them, over steps whose delayed scales
+move, with the same GEMMs."""
 
 from __future__ import annotations
 
@@ -37,6 +39,7 @@ MODELS = {
 PASSES = {
     "weight_recasts": (("stack", "lora"), lambda r: r.recasts_weight_t and not r.saves_weight_t),
     "shared_inputs": (("block", "frozen-block"), lambda r: r.shares_input),
+    "input_recasts": (("block",), lambda r: r.recasts_input_t and not r.saves_input_t),
 }
 CASES = [(p, m) for p, (models, _) in PASSES.items() for m in models]
 

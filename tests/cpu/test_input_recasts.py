@@ -1,0 +1,147 @@
+"""The ``input_recasts`` pass: a wgrad reads an FP8 copy of its input cast in the backward, with the
+scale the forward used, where the backward keeps that input (or what it is a view of) anyway, so
+the forward saves no copy; bitwise the same training; other inputs keep their saved copy
+(reference backend, CPU)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import thunder
+import torch
+from thunder.executors.torch_compile import torch_compile_ex
+
+from te_v2_executor import block_scaling, current_scaling, delayed_scaling, explain, make_te_v2
+from te_v2_executor.compiled import compiled_functions
+from te_v2_executor.symbols import LINEAR_WGRAD, is_input_recast
+from tests.helpers import CLAIM_ALL, assert_trained_alike, saved_nbytes, train_steps
+from tests.models import LlamaLikeBlock, SwiGLUMLP
+
+DIM, TOKENS, HEADS = 128, 128, 4
+
+
+class ViewOfKept(torch.nn.Module):
+    """A linear reading a transposed, copied and reshaped tanh output, which tanh's backward keeps
+    (as o_proj reads the attention's output, which the attention's backward keeps)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(DIM, DIM, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(x.view(TOKENS, HEADS, DIM // HEADS).transpose(0, 1))
+        return self.proj(h.transpose(0, 1).contiguous().reshape(TOKENS, DIM))
+
+
+class WrittenAfterTheForward(ViewOfKept):
+    """As ``ViewOfKept``, with the kept tensor written in place after the linear read it."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(x)
+        y = self.proj(h)
+        h.mul_(2)
+        return y
+
+
+MODELS = {
+    "swiglu": lambda: SwiGLUMLP(DIM, 2 * DIM),
+    "view": ViewOfKept,
+    "block": lambda: LlamaLikeBlock(DIM),
+}
+# the linears of each model whose input the backward casts again: in the block, q/k/v's and
+# gate/up's inputs are the norm's product (x times its rsqrt), o's q times a sigmoid, down's the
+# SwiGLU's, each made of tensors the backward keeps
+RECAST = {"swiglu": {"down"}, "view": {"proj"}, "block": {"q", "o", "gate", "down"}}
+RECIPES = {"delayed": delayed_scaling, "current": current_scaling, "block": block_scaling}
+
+
+def _te_v2(recipe=None, skip=()):
+    return make_te_v2(backend="reference", recipe=recipe, claim=CLAIM_ALL, skip_passes=skip)
+
+
+def _train(model: torch.nn.Module, recipe, skip: tuple[str, ...], fusers=()):
+    torch.manual_seed(1)
+    jitted = thunder.jit(model, executors=[_te_v2(recipe, skip), *fusers])
+    xs = [torch.randn(TOKENS, DIM, requires_grad=True) for _ in range(3)]
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    return jitted, train_steps(jitted, opt, xs), [x.grad for x in xs]
+
+
+def _rows(jitted) -> dict[str, object]:
+    return {r.name.split("_")[-2]: r for r in explain(jitted).linears}
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("name", MODELS)
+def test_recast_inputs_train_bitwise_as_saved_ones(name, recipe):
+    """Three steps, so that delayed scaling's scales move between each forward and its backward:
+    a recast with the updated scale instead of the forward's would change every wgrad."""
+    model = MODELS[name]()
+    twin = copy.deepcopy(model)
+    run = _train(model, RECIPES[recipe](), ())
+    saved_run = _train(twin, RECIPES[recipe](), ("input_recasts",))
+    assert_trained_alike(model, twin, run, saved_run)
+
+    rows, saved_rows = _rows(run[0]), _rows(saved_run[0])
+    recast = RECAST[name]
+    assert {n for n, r in rows.items() if r.recasts_input_t} == recast
+    for n in recast:
+        assert (rows[n].saves_input_t, saved_rows[n].saves_input_t) == (False, True)
+        assert not saved_rows[n].recasts_input_t
+
+
+def test_the_forward_saves_the_copy_less():
+    """The SwiGLU MLP's forward saves down's x^T no more (its scale the recast reads is in the
+    snapshot the weight recasts read already)."""
+    model = SwiGLUMLP(DIM, 2 * DIM)
+
+    def saved(skip):
+        jitted = thunder.jit(copy.deepcopy(model), executors=[_te_v2(delayed_scaling(), skip)])
+        x = torch.randn(TOKENS, DIM, requires_grad=True)
+        jitted(x).sum().backward()
+        found = {}
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: found.setdefault(id(t), t), lambda t: t):
+            jitted(x).sum().backward()
+        return sum(saved_nbytes(t) for t in found.values() if not isinstance(t, torch.nn.Parameter))
+
+    copy_bytes = TOKENS * 2 * DIM
+    assert copy_bytes <= saved(("input_recasts",)) - saved(()) < copy_bytes + 64
+
+
+def test_an_input_written_after_the_forward_keeps_its_saved_copy():
+    """The tanh output is written in place after the linear read it: a copy cast in the backward
+    would read the written values, so the forward's copy stays (and the backward refuses, as eager
+    autograd does, because tanh's backward reads the written output)."""
+    jitted = thunder.jit(WrittenAfterTheForward(), executors=[_te_v2(delayed_scaling())])
+    out = jitted(torch.randn(TOKENS, DIM, requires_grad=True))
+    (row,) = explain(jitted).linears
+    assert (row.saves_input_t, row.recasts_input_t) == (True, False)
+    with pytest.raises(RuntimeError, match="in-place"):
+        out.sum().backward()
+
+
+def test_each_recast_runs_right_before_its_wgrad_after_its_gradient():
+    """Through torch.compile's fusion, which orders the backward anew: the recast waits for the
+    gradient its wgrad reads, so its copy is not alive through the whole backward."""
+    model = SwiGLUMLP(DIM, 2 * DIM)
+    jitted = thunder.jit(model, executors=[_te_v2(delayed_scaling()), torch_compile_ex])
+    jitted(torch.randn(TOKENS, DIM, requires_grad=True)).sum().backward()
+    (compiled,) = compiled_functions(jitted)
+    order = thunder.last_backward_traces(compiled)[-1].bound_symbols
+    (recast_at,) = [at for at, b in enumerate(order) if is_input_recast(b)]
+    state = order[recast_at].kwargs["state"]
+    (wgrad_at,) = [at for at, b in enumerate(order) if b.sym is LINEAR_WGRAD and b.kwargs["state"] is state]
+    gradient = order[recast_at].kwargs["after"]
+    made_at = next(at for at, b in enumerate(order) if gradient.name in {o.name for o in b.flat_proxy_outs})
+    assert made_at < recast_at < wgrad_at
+
+
+def test_fused_training_stays_bitwise():
+    """With torch.compile's fuser after te_v2 (the copies of the views fused into backward regions)."""
+    model = ViewOfKept()
+    twin = copy.deepcopy(model)
+    run = _train(model, delayed_scaling(), (), [torch_compile_ex])
+    saved_run = _train(twin, delayed_scaling(), ("input_recasts",), [torch_compile_ex])
+    assert_trained_alike(model, twin, run, saved_run)
+    assert _rows(run[0])["proj"].recasts_input_t
