@@ -129,15 +129,15 @@ LINEAR_FWD = ops.register_operator("te_v2_linear_fwd", meta=_linear_fwd_meta, fn
 # ``x_q`` (row-wise) is read by the forwards' GEMMs, ``x_saved`` (column-wise, when a wgrad reads
 # it) by their wgrads; two tensors, so that the row-wise copy dies after the last forward.
 # ``sharers``: the states of the other forwards, into whose input amax the cast's is recorded too.
-# ``times``: as for ``te_v2_linear_fwd``.
+# ``times`` and ``after``: as for ``te_v2_linear_fwd``.
 
 
-def _quantize_input_meta(x, *, state, sharers, columnwise, times=None):
+def _quantize_input_meta(x, *, state, sharers, columnwise, times=None, after=None):
     x_q = _fp8_proxy(x, _flat_shape(x), state, forward=True)
     return x_q, _fp8_proxy(x, _flat_shape(x), state, forward=True) if columnwise else None
 
 
-def _quantize_input_impl(x, *, state, sharers, columnwise, times=None):
+def _quantize_input_impl(x, *, state, sharers, columnwise, times=None, after=None):
     scalings = [s.forward_scaling(x.device) for s in sharers]
     x = x if times is None else x * times
     return state.numerics.quantize_input(x, state.forward_scaling(x.device), scalings, columnwise=columnwise)
@@ -323,6 +323,24 @@ def _widen_impl(a: torch.Tensor, after, *, dtype: torch.dtype) -> torch.Tensor:
 
 
 WIDEN = ops.register_operator("te_v2_widen", meta=_widen_meta, fn=_widen_impl)
+
+
+# ---- copies of trace inputs the backward computes from (``passes/input_recasts.py``) --------
+# The forward takes them where it reads the inputs, so that a write the trace cannot see (through
+# ``.data``, between forward and backward) does not reach what the backward computes. The forward
+# that reads the inputs takes the first copy as ``after``: Thunder's split keeps in the forward
+# only what a forward symbol reads.
+
+
+def _snapshot_meta(*tensors):
+    return tuple(TensorProxy(like=t) for t in tensors)
+
+
+def _snapshot_impl(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return tuple(t.clone() for t in tensors)
+
+
+SNAPSHOT = ops.register_operator("te_v2_snapshot", meta=_snapshot_meta, fn=_snapshot_impl)
 
 
 # ---- a write into a tensor, ordered after te_v2's reads of it (``passes/write_order.py``) ---

@@ -31,15 +31,15 @@ from typing import Any
 import thunder.torch as ltorch
 from thunder.core import prims, utils
 from thunder.core.proxies import AnyProxy, TensorProxy, variableify
+from thunder.core.pytree import tree_flatten
 from thunder.core.symbol import BoundSymbol, BoundSymbolTag
 from thunder.core.trace import TraceCtx, tracectx
 from thunder.core.transform_common import dce
 
 from te_v2_executor.passes._trace import made_in_backward, product, replaced
 from te_v2_executor.passes._writes import Writes, names_as_run, reads_values
-from te_v2_executor.passes.recasts import is_parameter
 from te_v2_executor.passes.syncs import replaying
-from te_v2_executor.symbols import LINEAR_FWD, QUANTIZE_INPUT, arg, in_backward, with_args
+from te_v2_executor.symbols import LINEAR_FWD, QUANTIZE_INPUT, SNAPSHOT, arg, in_backward, with_args
 
 # Ops that make an exact copy or view of their one tensor input, by name: Thunder's torch and prims
 # versions, and the torch executor's that run them.
@@ -74,16 +74,37 @@ def _kept_in_backward(trace: TraceCtx) -> set[str]:
     }
 
 
-def _views_of_kept(p: TensorProxy, kept: set[str], producers: Any) -> list[BoundSymbol] | None:
-    """The forward views that make ``p`` from a tensor the backward keeps anyway, first one first
-    (empty where ``p`` is kept itself); None where ``p`` is made otherwise."""
+@dataclass(frozen=True)
+class _Facts:
+    """What the pass knows of the trace: producers, consumers, writes, the tensors the backward
+    keeps (by name) and the forward's outputs."""
+
+    producers: Any
+    consumers: Any
+    writes: Writes
+    kept: set[str]
+    outputs: list[TensorProxy]
+
+    def reachable_from_outside(self, p: TensorProxy) -> bool:
+        """Whether code outside the trace can write into ``p``'s storage between forward and
+        backward (through ``.data``, which no version counter sees): an input's, or an output's."""
+        return not self.writes.made_here(p) or any(self.writes.same_storage(p, o) for o in self.outputs)
+
+
+def _views_of_kept(p: TensorProxy, facts: _Facts) -> tuple[list[BoundSymbol], TensorProxy] | None:
+    """The forward views that make ``p`` (first one first) from its leaf: a tensor the backward
+    keeps anyway that nothing outside the trace can write, or a trace input (which the pass then
+    snapshots); None where ``p`` is made otherwise."""
     chain: list[BoundSymbol] = []
-    while p.name not in kept and not is_parameter(p, producers):
-        producer = producers.get(p, None)
-        tensors = [a for a in getattr(producer, "flat_proxy_args", ()) if isinstance(a, TensorProxy)]
+    while True:
+        producer = facts.producers.get(p, None)
+        if producer is None or producer.sym.id is prims.PrimIDs.UNPACK_TRIVIAL:
+            return chain, p
+        if p.name in facts.kept and not facts.reachable_from_outside(p):
+            return chain, p
+        tensors = [a for a in producer.flat_proxy_args if isinstance(a, TensorProxy)]
         if (
-            producer is None
-            or in_backward(producer)
+            in_backward(producer)
             or producer.sym.name not in _VIEWS
             or len(tensors) != 1
             or len(chain) == _MAX_VIEWS
@@ -91,7 +112,6 @@ def _views_of_kept(p: TensorProxy, kept: set[str], producers: Any) -> list[Bound
             return None
         chain.insert(0, producer)
         p = tensors[0]
-    return chain
 
 
 def _sources(bsym: BoundSymbol) -> list[TensorProxy]:
@@ -116,7 +136,9 @@ class _Recast:
     up; or, with ``times``, the two operands of the product x is, which the forward then
     multiplies itself), each through its ``chains`` of views copied, placed before
     ``first_reader``, the first wgrad that reads the saved copy; ``shape_readers``: the other
-    forwards that read x, only for its shape (they read the shared cast)."""
+    forwards that read x, only for its shape (they read the shared cast); ``outside``: the trace
+    inputs the views start from (a norm's weight), which code outside the trace could write
+    before the backward through ``.data``, so the forward snapshots them."""
 
     forward: BoundSymbol
     sources: list[TensorProxy]
@@ -124,6 +146,17 @@ class _Recast:
     first_reader: BoundSymbol
     times: bool = False
     shape_readers: list[BoundSymbol] = field(default_factory=list)
+    outside: list[TensorProxy] = field(default_factory=list)
+    snapshot: BoundSymbol | None = None
+
+    def take_snapshot(self, trace: TraceCtx) -> list[BoundSymbol]:
+        """The forward's snapshot of the trace inputs in ``outside``, to run before it (none when
+        there are none)."""
+        if self.outside:
+            with tracectx(trace):
+                copies = SNAPSHOT.meta(*self.outside)
+            self.snapshot = SNAPSHOT.bind(*self.outside, output=copies)
+        return [self.snapshot] if self.snapshot is not None else []
 
     def readers_of_the_first_operand(self) -> dict[int, BoundSymbol]:
         """The forwards that read x only for its shape, reading the product's first operand, of
@@ -134,7 +167,9 @@ class _Recast:
         self, trace: TraceCtx, producers: Any, replay: Any, rows: dict[int, int]
     ) -> list[BoundSymbol]:
         """The copies of the views, then the cast, all tagged as backward."""
-        made, copies = [], {}
+        made = []
+        taken = zip(self.snapshot.args, self.snapshot.output, strict=True) if self.snapshot else ()
+        copies = {variableify(leaf): copy for leaf, copy in taken}
         for chain in self.chains:
             for view in chain:
                 with tracectx(trace):
@@ -168,19 +203,19 @@ class _Recast:
         return [*made, cast]
 
     def forward_without_copy(self) -> BoundSymbol:
-        """The forward, casting its input row-wise only (multiplying it first, with ``times``)."""
+        """The forward, casting its input row-wise only (multiplying it first, with ``times``),
+        after the snapshot."""
         forward = self.forward
+        changes = dict(x=self.sources[0], times=self.sources[1]) if self.times else {}
+        if self.snapshot is not None:
+            changes["after"] = self.snapshot.output[0]
         if forward.sym is QUANTIZE_INPUT:
             x_q, _ = forward.output
-            kwargs = {**forward.kwargs, "columnwise": False}
-            if self.times:
-                return forward.from_bsym(
-                    args=(self.sources[0],), kwargs={**kwargs, "times": self.sources[1]}, output=(x_q, None)
-                )
-            return forward.from_bsym(kwargs=kwargs, output=(x_q, None))
+            x = changes.pop("x", forward.args[0])
+            kwargs = {**forward.kwargs, **changes, "columnwise": False}
+            return forward.from_bsym(args=(x,), kwargs=kwargs, output=(x_q, None))
         y, _, w_saved, amax_ready = forward.output
-        product = dict(x=self.sources[0], times=self.sources[1]) if self.times else {}
-        return with_args(forward, save_input=False, **product, output=(y, None, w_saved, amax_ready))
+        return with_args(forward, save_input=False, **changes, output=(y, None, w_saved, amax_ready))
 
 
 def _reads_only_the_shape(bsym: BoundSymbol) -> bool:
@@ -193,33 +228,42 @@ def _takes_a_product(bsym: BoundSymbol) -> bool:
     return bsym.sym is QUANTIZE_INPUT or not (arg(bsym, "gelu") or arg(bsym, "up") is not None)
 
 
-def _recast(bsym: BoundSymbol, first: BoundSymbol, trace: Any) -> _Recast | None:
-    """The recast of forward ``bsym``'s input for its wgrads, ``first`` the first of them; None where
-    it cannot be made exactly. ``trace``: (producers, consumers, writes, kept) of the trace."""
-    producers, consumers, writes, kept = trace
+# A trace input a recast starts from is snapshotted in the forward: only one of at most this share
+# of x's elements (a norm's weight, broadcast), so that the snapshot costs far less than the copy.
+_SNAPSHOT_SHARE = 8
+
+
+def _recast(bsym: BoundSymbol, first: BoundSymbol, facts: _Facts) -> _Recast | None:
+    """The recast of forward ``bsym``'s input for its wgrads, ``first`` the first of them; None
+    where it cannot be made exactly."""
+    writes = facts.writes
     sources = _sources(bsym)
-    chains = [_views_of_kept(s, kept, producers) for s in sources]
+    x = sources[0]
+    found = [_views_of_kept(s, facts) for s in sources]
     times = False
-    shape_readers = [r for r in consumers.get(sources[0], []) if r is not bsym]
-    if chains == [None] and _takes_a_product(bsym) and all(map(_reads_only_the_shape, shape_readers)):
-        found = product(sources[0], producers)
-        if found is not None:
-            a, b, ops = found
-            sources, chains, times = (
-                [a, b],
-                [_views_of_kept(a, kept, producers), _views_of_kept(b, kept, producers)],
-                True,
-            )
+    shape_readers = [r for r in facts.consumers.get(x, []) if r is not bsym]
+    if found == [None] and _takes_a_product(bsym) and all(map(_reads_only_the_shape, shape_readers)):
+        product_of = product(x, facts.producers)
+        if product_of is not None:
+            a, b, ops = product_of
+            sources, found, times = [a, b], [_views_of_kept(a, facts), _views_of_kept(b, facts)], True
             product_at = min(map(writes.position, ops))  # where the product read a and b
             if not all(writes.unchanged(p, product_at, writes.position(bsym)) for p in (a, b)):
                 return None
-    if any(c is None for c in chains):
+    if any(f is None for f in found):
         return None
-    read = [*sources, *(p for c in chains for v in c for p in v.flat_proxy_args)]
+    chains = [chain for chain, _ in found]
+    leaves = [leaf for _, leaf in found]
+    outside = [leaf for leaf in leaves if facts.reachable_from_outside(leaf)]
+    if any(_SNAPSHOT_SHARE * leaf.numel > x.numel for leaf in outside):
+        return None
+    read = [*leaves, *(p for c in chains for v in c for p in v.flat_proxy_args)]
     span = (writes.position(bsym), writes.position(first))
-    if not all(writes.unchanged(p, *span) for p in read if isinstance(p, TensorProxy)):
+    if not all(writes.unchanged(p, *span) for p in read if p.name not in {o.name for o in outside}):
         return None
-    return _Recast(bsym, sources, chains, first, times, shape_readers if times else [])
+    recast = _Recast(bsym, sources, chains, first, times, shape_readers if times else [])
+    recast.outside = outside
+    return recast
 
 
 def _recastable(trace: TraceCtx, graphed: bool) -> list[_Recast]:
@@ -228,13 +272,19 @@ def _recastable(trace: TraceCtx, graphed: bool) -> list[_Recast]:
     if graphed:
         return []
     producers, consumers = utils.producers(trace), utils.consumers(trace)
-    facts = (producers, consumers, Writes(trace), _kept_in_backward(trace))
+    returned = trace.bound_symbols[-1].args[0]
+    outputs = [
+        o
+        for o in tree_flatten(returned.get("fw_flat_out", returned["output"]))[0]
+        if isinstance(o, TensorProxy)
+    ]
+    facts = _Facts(producers, consumers, Writes(trace), _kept_in_backward(trace), outputs)
     found = []
     for bsym in trace.bound_symbols:
         x_saved = None if in_backward(bsym) else _saved_input(bsym)
         readers = consumers.get(x_saved, []) if x_saved is not None else []
         if readers and all(map(in_backward, readers)):
-            first = min(readers, key=facts[2].position)
+            first = min(readers, key=facts.writes.position)
             if (recast := _recast(bsym, first, facts)) is not None:
                 found.append(recast)
     return found
@@ -252,6 +302,7 @@ def recast_inputs(trace: TraceCtx, *, graphed: bool = False) -> TraceCtx:
     swapped: dict[int, BoundSymbol] = {}
     inserted: dict[int, list[BoundSymbol]] = {}
     for r in recasts:
+        inserted.setdefault(position[id(r.forward)], []).extend(r.take_snapshot(trace))
         made = r.bound_symbols(trace, producers, replay, rows)
         inserted.setdefault(position[id(r.first_reader)], []).extend(made)
         swapped[id(r.forward)] = r.forward_without_copy()
