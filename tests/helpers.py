@@ -238,6 +238,19 @@ def assert_trained_alike(model: torch.nn.Module, twin: torch.nn.Module, run: tup
     assert_state_dicts_equal(quantization_state_dict(fn), quantization_state_dict(twin_fn))
 
 
+def trained_with_and_without(
+    model: torch.nn.Module, train: Callable[[torch.nn.Module, tuple[str, ...]], tuple], skip: tuple[str, ...]
+) -> tuple[tuple, tuple]:
+    """``train(model, ())`` and ``train(copy, skip)`` of a copy of ``model`` (each a compiled
+    function, losses, input gradients triple), asserted to end bitwise alike; both runs."""
+    import copy
+
+    twin = copy.deepcopy(model)
+    run, apart = train(model, ()), train(twin, skip)
+    assert_trained_alike(model, twin, run, apart)
+    return run, apart
+
+
 def assert_state_dicts_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
     """Two quantization state dicts hold the same names and bitwise equal tensors."""
     assert a.keys() == b.keys()

@@ -15,7 +15,7 @@ from thunder.executors.torch_compile import torch_compile_ex
 from te_v2_executor import block_scaling, current_scaling, delayed_scaling, explain, make_te_v2
 from te_v2_executor.compiled import compiled_functions
 from te_v2_executor.symbols import LINEAR_WGRAD, is_input_recast
-from tests.helpers import CLAIM_ALL, assert_trained_alike, saved_nbytes, train_steps
+from tests.helpers import CLAIM_ALL, assert_trained_alike, saved_nbytes, train_steps, trained_with_and_without
 from tests.models import LlamaLikeBlock, SwiGLUMLP
 
 DIM, TOKENS, HEADS = 128, 128, 4
@@ -81,12 +81,8 @@ def _rows(jitted) -> dict[str, object]:
 def test_recast_inputs_train_bitwise_as_saved_ones(name, recipe):
     """Three steps, so that delayed scaling's scales move between each forward and its backward:
     a recast with the updated scale instead of the forward's would change every wgrad."""
-    model = MODELS[name]()
-    twin = copy.deepcopy(model)
-    run = _train(model, RECIPES[recipe](), ())
-    saved_run = _train(twin, RECIPES[recipe](), ("input_recasts",))
-    assert_trained_alike(model, twin, run, saved_run)
-
+    train = lambda model, skip: _train(model, RECIPES[recipe](), skip)  # noqa: E731
+    run, saved_run = trained_with_and_without(MODELS[name](), train, ("input_recasts",))
     rows, saved_rows = _rows(run[0]), _rows(saved_run[0])
     recast = (RECAST_BLOCK_SCALED if recipe == "block" else RECAST)[name]
     assert {n for n, r in rows.items() if r.recasts_input_t} == recast

@@ -24,7 +24,7 @@ from te_v2_executor import (
 )
 from te_v2_executor.compiled import compiled_functions
 from te_v2_executor.symbols import QUANTIZE_GRAD_OUTPUT, is_recast
-from tests.helpers import CLAIM_ALL, assert_trained_alike, train_steps
+from tests.helpers import CLAIM_ALL, train_steps, trained_with_and_without
 from tests.models import Checkpointed, LoRAStack, SharedWeight, Stack, every_even
 
 DIM, TOKENS = 128, 128
@@ -56,11 +56,8 @@ def _train(model: torch.nn.Module, recipe, skip: tuple[str, ...]):
 def test_recast_copies_train_bitwise_as_saved_ones(name, recipe):
     """Three steps, so that delayed scaling's scales move between each forward and its backward:
     a recast with the updated scale instead of the forward's would change every dgrad."""
-    model = MODELS[name]()
-    twin = copy.deepcopy(model)
-    run = _train(model, RECIPES[recipe](), ())
-    saved_run = _train(twin, RECIPES[recipe](), ("weight_recasts",))
-    assert_trained_alike(model, twin, run, saved_run)
+    train = lambda model, skip: _train(model, RECIPES[recipe](), skip)  # noqa: E731
+    run, saved_run = trained_with_and_without(MODELS[name](), train, ("weight_recasts",))
     jitted, saved = run[0], saved_run[0]
 
     rows, saved_rows = explain(jitted).linears, explain(saved).linears
