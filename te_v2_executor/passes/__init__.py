@@ -215,7 +215,7 @@ PIPELINE: tuple[Pass, ...] = (
     ),
     Pass(
         "input_recasts",
-        lambda trace, context: input_recasts.recast_inputs(trace, graphed=context.graphed),
+        lambda trace, context: input_recasts.recast_inputs(trace, context.fusers, graphed=context.graphed),
         "wgrads cast their input again in the backward where the backward keeps it (or views of it) "
         "anyway, so the forward saves no FP8 copy of it",
         "after every fold and widenings, which decide what the backward reads and what each forward "

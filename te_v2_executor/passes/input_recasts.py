@@ -35,6 +35,7 @@ from thunder.core.pytree import tree_flatten
 from thunder.core.symbol import BoundSymbol, BoundSymbolTag
 from thunder.core.trace import TraceCtx, tracectx
 from thunder.core.transform_common import dce
+from thunder.extend import FusionExecutor
 
 from te_v2_executor.passes._trace import made_in_backward, product, replaced
 from te_v2_executor.passes._writes import Writes, names_as_run, reads_values
@@ -84,6 +85,15 @@ class _Facts:
     writes: Writes
     kept: set[str]
     outputs: list[TensorProxy]
+    fusers: list[FusionExecutor]
+
+    def saved_anyway(self, p: TensorProxy) -> bool:
+        """Whether the forward saves ``p`` for the backward whatever this pass does: a backward
+        symbol reads it, and no fuser can take the symbol that makes it, so no fuser's
+        rematerialization computes it again in the backward instead (as Thunder's does a norm's
+        normalized input, from the norm's input and scale)."""
+        producer = self.producers.get(p, None)
+        return p.name in self.kept and not any(f.can_fuse(producer) for f in self.fusers)
 
     def reachable_from_outside(self, p: TensorProxy) -> bool:
         """Whether code outside the trace can write into ``p``'s storage between forward and
@@ -100,7 +110,7 @@ def _views_of_kept(p: TensorProxy, facts: _Facts) -> tuple[list[BoundSymbol], Te
         producer = facts.producers.get(p, None)
         if producer is None or producer.sym.id is prims.PrimIDs.UNPACK_TRIVIAL:
             return chain, p
-        if p.name in facts.kept and not facts.reachable_from_outside(p):
+        if facts.saved_anyway(p) and not facts.reachable_from_outside(p):
             return chain, p
         tensors = [a for a in producer.flat_proxy_args if isinstance(a, TensorProxy)]
         if (
@@ -266,7 +276,7 @@ def _recast(bsym: BoundSymbol, first: BoundSymbol, facts: _Facts) -> _Recast | N
     return recast
 
 
-def _recastable(trace: TraceCtx, graphed: bool) -> list[_Recast]:
+def _recastable(trace: TraceCtx, graphed: bool, fusers: list[FusionExecutor]) -> list[_Recast]:
     """The forwards whose saved input copy the backward can make again exactly (see the module
     docstring)."""
     if graphed:
@@ -278,7 +288,7 @@ def _recastable(trace: TraceCtx, graphed: bool) -> list[_Recast]:
         for o in tree_flatten(returned.get("fw_flat_out", returned["output"]))[0]
         if isinstance(o, TensorProxy)
     ]
-    facts = _Facts(producers, consumers, Writes(trace), _kept_in_backward(trace), outputs)
+    facts = _Facts(producers, consumers, Writes(trace), _kept_in_backward(trace), outputs, fusers)
     found = []
     for bsym in trace.bound_symbols:
         x_saved = None if in_backward(bsym) else _saved_input(bsym)
@@ -290,10 +300,12 @@ def _recastable(trace: TraceCtx, graphed: bool) -> list[_Recast]:
     return found
 
 
-def recast_inputs(trace: TraceCtx, *, graphed: bool = False) -> TraceCtx:
+def recast_inputs(trace: TraceCtx, fusers: list[FusionExecutor], *, graphed: bool = False) -> TraceCtx:
     """Have the wgrads of each forward whose input the backward keeps anyway read a copy cast in
-    the backward rather than one the forward saved (see the module docstring for which)."""
-    recasts = _recastable(trace, graphed)
+    the backward rather than one the forward saved (see the module docstring for which);
+    ``fusers``: the fusion executors after te_v2, whose rematerialization decides what else the
+    forward saves."""
+    recasts = _recastable(trace, graphed, fusers)
     if not recasts:
         return trace
     trace, replay, rows = replaying(trace, [r.forward.kwargs["state"] for r in recasts])
