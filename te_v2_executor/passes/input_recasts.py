@@ -12,15 +12,17 @@ first wgrad and after the gradient it reads, made from what the backward keeps t
 the forward's views; the forward sync hands it the scale the forward cast with (``replay``), so
 its copy is bitwise the one the forward would have saved, and the forward casts row-wise only.
 
-Only exact recomputation is made: x, or each operand of a folded activation, must be a tensor a
-backward symbol reads anyway, a parameter, or views and copies of one (``_VIEWS``), unwritten
-from the forward to the wgrad. Where x is instead the product of two such tensors, which only
-this forward reads (an RMSNorm's output: its weight times the normalized input, both of which the
-norm's backward reads), the forward multiplies them itself (``times``), as PyTorch's ``*`` does,
-and so does the recast: left to a fuser, the product may be computed from values it keeps in
-float32 without the rounding the saved tensor took (Inductor drops such round trips), which the
-backward could not reproduce. Under CUDA graphs, which would run each recast outside them, every
-copy stays saved.
+Only exact recomputation that costs no memory is made: x, or each operand of a folded activation,
+must come through views and copies (``_VIEWS``), unwritten from the forward to the wgrad, from a
+tensor the forward saves anyway (a backward symbol reads it, and no fuser can take the symbol that
+makes it, whose rematerialization may compute its own tensors again in the backward rather than
+save them) that nothing outside the trace can write, or from a small trace input, which the
+forward snapshots (``.data`` writes between forward and backward would reach the recast, where
+eager's wgrad reads the tensor it saved). Where x is instead the product of two such tensors,
+which only this forward reads, the forward multiplies them itself (``times``), as PyTorch's ``*``
+does, and so does the recast: left to a fuser, the product may be computed from values it keeps
+in float32 without the rounding the saved tensor took (Inductor drops such round trips). Under
+CUDA graphs, which would run each recast outside them, every copy stays saved.
 """
 
 from __future__ import annotations
