@@ -271,11 +271,10 @@ def _recast(bsym: BoundSymbol, first: BoundSymbol, facts: _Facts) -> _Recast | N
         return None
     read = [*leaves, *(p for c in chains for v in c for p in v.flat_proxy_args)]
     span = (writes.position(bsym), writes.position(first))
-    if not all(writes.unchanged(p, *span) for p in read if p.name not in {o.name for o in outside}):
+    snapshotted = {o.name for o in outside}
+    if not all(writes.unchanged(p, *span) for p in read if p.name not in snapshotted):
         return None
-    recast = _Recast(bsym, sources, chains, first, times, shape_readers if times else [])
-    recast.outside = outside
-    return recast
+    return _Recast(bsym, sources, chains, first, times, shape_readers if times else [], outside)
 
 
 def _recastable(trace: TraceCtx, graphed: bool, fusers: list[FusionExecutor]) -> list[_Recast]:

@@ -36,7 +36,7 @@ from te_v2_executor.passes._writes import Writes
 from te_v2_executor.symbols import LINEAR_FWD, arg, in_backward, with_args
 
 
-def is_parameter(w: TensorProxy, producers: Any) -> bool:
+def _is_parameter(w: TensorProxy, producers: Any) -> bool:
     """Whether ``w`` is a parameter or buffer the trace unpacks from its inputs."""
     producer = producers.get(w, None)
     made_here = producer is not None and producer.sym.id is not prims.PrimIDs.UNPACK_TRIVIAL
@@ -82,7 +82,7 @@ def recast_weights(trace: TraceCtx) -> TraceCtx:
         w, w_saved = arg(bsym, "w"), bsym.output[2]
         readers = consumers.get(w_saved, [])
         if (
-            not is_parameter(w, producers)
+            not _is_parameter(w, producers)
             or not readers
             or not all(map(in_backward, readers))
             or at < last_input_write
