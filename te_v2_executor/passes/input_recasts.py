@@ -12,17 +12,23 @@ first wgrad and after the gradient it reads, made from what the backward keeps t
 the forward's views; the forward sync hands it the scale the forward cast with (``replay``), so
 its copy is bitwise the one the forward would have saved, and the forward casts row-wise only.
 
-Only exact recomputation that costs no memory is made: x, or each operand of a folded activation,
+Only recomputation that costs no memory is made: x, or each operand of a folded activation,
 must come through views and copies (``_VIEWS``), unwritten from the forward to the wgrad, from a
 tensor the forward saves anyway (a backward symbol reads it, and no fuser can take the symbol that
 makes it, whose rematerialization may compute its own tensors again in the backward rather than
 save them) that nothing outside the trace can write, or from a small trace input, which the
 forward snapshots (``.data`` writes between forward and backward would reach the recast, where
-eager's wgrad reads the tensor it saved). Where x is instead the product of two such tensors,
-which only this forward reads, the forward multiplies them itself (``times``), as PyTorch's ``*``
-does, and so does the recast: left to a fuser, the product may be computed from values it keeps
-in float32 without the rounding the saved tensor took (Inductor drops such round trips). Under
-CUDA graphs, which would run each recast outside them, every copy stays saved.
+eager's wgrad reads the tensor it saved). With a fuser after te_v2, x may instead be made by its
+elementwise ops from tensors the backward keeps anyway (``_recomputed``: a norm's output, from
+the norm's input and scale), which the copied ops compute again in a region of that fuser; the
+cast is then of what eager would compute from those tensors, which the fuser's forward region may
+not round alike (Inductor keeps a residual sum in float32 where eager rounds it to bfloat16), so
+x^T may differ from the forward's x in a last bit before the cast. Where x is instead the product
+of two tensors saved anyway, which only this forward reads, the forward multiplies them itself
+(``times``), as PyTorch's ``*`` does, and so does the recast: left to a fuser, the product may be
+computed from values it keeps in float32 without the rounding the saved tensor took (Inductor
+drops such round trips). Under CUDA graphs, which would run each recast outside them, every copy
+stays saved.
 """
 
 from __future__ import annotations
@@ -39,7 +45,7 @@ from thunder.core.trace import TraceCtx, tracectx
 from thunder.core.transform_common import dce
 from thunder.extend import FusionExecutor
 
-from te_v2_executor.passes._trace import made_in_backward, product, replaced
+from te_v2_executor.passes._trace import made_in_backward, ordered_read, product, replaced
 from te_v2_executor.passes._writes import Writes, names_as_run, reads_values
 from te_v2_executor.passes.syncs import replaying
 from te_v2_executor.symbols import LINEAR_FWD, QUANTIZE_INPUT, SNAPSHOT, arg, in_backward, with_args
@@ -64,6 +70,15 @@ _VIEWS = frozenset(
     | set(_VIEW_OPS)
 )
 _MAX_VIEWS = 8
+
+# Elementwise ops whose result the backward may compute again from the same operands, by name, as
+# for the views; a recomputation takes at most this many ops, views included.
+_ELEMENTWISE_OPS = ("convert_element_type", "mul", "add", "sub", "neg")
+_RECOMPUTABLE = _VIEWS | frozenset(
+    names_as_run(s for module in (prims, ltorch) for n in _ELEMENTWISE_OPS if (s := getattr(module, n, None)))
+    | set(_ELEMENTWISE_OPS)
+)
+_MAX_RECOMPUTED = 12
 
 
 def _kept_in_backward(trace: TraceCtx) -> set[str]:
@@ -103,7 +118,7 @@ class _Facts:
         return not self.writes.made_here(p) or any(self.writes.same_storage(p, o) for o in self.outputs)
 
 
-def _views_of_kept(p: TensorProxy, facts: _Facts) -> tuple[list[BoundSymbol], TensorProxy] | None:
+def _views_of_kept(p: TensorProxy, facts: _Facts) -> tuple[list[BoundSymbol], list[TensorProxy]] | None:
     """The forward views that make ``p`` (first one first) from its leaf: a tensor the backward
     keeps anyway that nothing outside the trace can write, or a trace input (which the pass then
     snapshots); None where ``p`` is made otherwise."""
@@ -111,9 +126,9 @@ def _views_of_kept(p: TensorProxy, facts: _Facts) -> tuple[list[BoundSymbol], Te
     while True:
         producer = facts.producers.get(p, None)
         if producer is None or producer.sym.id is prims.PrimIDs.UNPACK_TRIVIAL:
-            return chain, p
+            return chain, [p]
         if facts.saved_anyway(p) and not facts.reachable_from_outside(p):
-            return chain, p
+            return chain, [p]
         tensors = [a for a in producer.flat_proxy_args if isinstance(a, TensorProxy)]
         if (
             in_backward(producer)
@@ -124,6 +139,85 @@ def _views_of_kept(p: TensorProxy, facts: _Facts) -> tuple[list[BoundSymbol], Te
             return None
         chain.insert(0, producer)
         p = tensors[0]
+
+
+def _recomputed(root: TensorProxy, facts: _Facts) -> tuple[list[BoundSymbol], list[TensorProxy]] | None:
+    """The forward's elementwise ops and views that make ``root`` (in trace order), every one a
+    fuser can take, and the leaves they start from; None where ``root`` is made otherwise, or
+    with no fuser after te_v2.
+
+    Copied into the backward, the ops make a fuser's region there, which reads its leaves through
+    ``te_v2_ordered``: read directly from the forward's region, Thunder's rematerialization would
+    move the ops into the forward and save their result, as its min-cut weighs a tensor by its
+    dtype's bytes alone, a bfloat16 result below a bfloat16 input and a float32 scale. So the
+    leaves are what the forward saves, and must be what it saves anyway: the ops go back as far as
+    they can, to trace inputs (which the pass then snapshots), tensors the forward saves anyway
+    (``saved_anyway``), and, where they cannot go further, tensors a backward symbol reads that
+    the fuser cannot compute again from what it has (``at_hand``): a norm's input, the residual
+    sum of a linear's output, and its scale, which a reduction makes; not the normalized input,
+    which the norm's weight gradient reads and Thunder computes again from those two."""
+    if not facts.fusers:
+        return None
+    walked: dict[str, tuple[dict[int, BoundSymbol], dict[str, TensorProxy]] | None] = {}
+    computable: dict[str, bool] = {}
+
+    def walk(p: TensorProxy) -> tuple[dict[int, BoundSymbol], dict[str, TensorProxy]] | None:
+        if p.name not in walked:
+            walked[p.name] = None  # a cycle cannot occur; this stops a repeated walk early
+            walked[p.name] = made(p)
+        return walked[p.name]
+
+    def made(p: TensorProxy) -> tuple[dict[int, BoundSymbol], dict[str, TensorProxy]] | None:
+        producer = facts.producers.get(p, None)
+        inside = not facts.reachable_from_outside(p)
+        if p is not root and (
+            producer is None
+            or producer.sym.id is prims.PrimIDs.UNPACK_TRIVIAL
+            or (facts.saved_anyway(p) and inside)
+        ):
+            return {}, {p.name: p}
+        if (
+            producer is not None
+            and not in_backward(producer)
+            and producer.sym.name in _RECOMPUTABLE
+            and isinstance(producer.output, TensorProxy)
+            and any(f.can_fuse(producer) for f in facts.fusers)
+        ):
+            found = [walk(a) for a in operands(producer)]
+            if all(f is not None for f in found):
+                ops, leaves = {id(producer): producer}, {}
+                for more_ops, more_leaves in found:
+                    ops.update(more_ops)
+                    leaves.update(more_leaves)
+                return ops, leaves
+        if p is not root and p.name in facts.kept and inside and not all(map(at_hand, operands(producer))):
+            return {}, {p.name: p}
+        return None
+
+    def at_hand(p: TensorProxy) -> bool:
+        """Whether the backward has ``p``, or can compute it again, without the forward saving
+        more: a trace input, a tensor a backward symbol reads, or what the ops make of them."""
+        if p.name not in computable:
+            computable[p.name] = False
+            producer = facts.producers.get(p, None)
+            computable[p.name] = (
+                producer is None
+                or producer.sym.id is prims.PrimIDs.UNPACK_TRIVIAL
+                or p.name in facts.kept
+                or (producer.sym.name in _RECOMPUTABLE and all(map(at_hand, operands(producer))))
+            )
+        return computable[p.name]
+
+    found = walk(root)
+    if found is None or len(found[0]) > _MAX_RECOMPUTED:
+        return None
+    ops, leaves = found
+    return sorted(ops.values(), key=facts.writes.position), list(leaves.values())
+
+
+def operands(bsym: BoundSymbol) -> list[TensorProxy]:
+    """The tensors ``bsym`` reads."""
+    return [a for a in bsym.flat_proxy_args if isinstance(a, TensorProxy)]
 
 
 def _sources(bsym: BoundSymbol) -> list[TensorProxy]:
@@ -146,19 +240,21 @@ def _saved_input(bsym: BoundSymbol) -> TensorProxy | None:
 class _Recast:
     """The backward's cast of one forward's input, made from ``sources`` (x and a folded SwiGLU's
     up; or, with ``times``, the two operands of the product x is, which the forward then
-    multiplies itself), each through its ``chains`` of views copied, placed before
-    ``first_reader``, the first wgrad that reads the saved copy; ``shape_readers``: the other
-    forwards that read x, only for its shape (they read the shared cast); ``outside``: the trace
-    inputs the views start from (a norm's weight), which code outside the trace could write
-    before the backward through ``.data``, so the forward snapshots them."""
+    multiplies itself), each through its ``ops`` (views, or a fuser's elementwise ops) copied,
+    placed before ``first_reader``, the first wgrad that reads the saved copy; ``shape_readers``:
+    the other forwards that read x, only for its shape (they read the shared cast); ``outside``:
+    the trace inputs the ops start from (a norm's weight), which code outside the trace could write
+    before the backward through ``.data``, so the forward snapshots them; ``pinned``: the other
+    leaves of a fuser's ops, which they read through ``te_v2_ordered``."""
 
     forward: BoundSymbol
     sources: list[TensorProxy]
-    chains: list[list[BoundSymbol]]
+    ops: list[list[BoundSymbol]]
     first_reader: BoundSymbol
     times: bool = False
     shape_readers: list[BoundSymbol] = field(default_factory=list)
     outside: list[TensorProxy] = field(default_factory=list)
+    pinned: list[TensorProxy] = field(default_factory=list)
     snapshot: BoundSymbol | None = None
 
     def take_snapshot(self, trace: TraceCtx) -> list[BoundSymbol]:
@@ -178,17 +274,21 @@ class _Recast:
     def bound_symbols(
         self, trace: TraceCtx, producers: Any, replay: Any, rows: dict[int, int]
     ) -> list[BoundSymbol]:
-        """The copies of the views, then the cast, all tagged as backward."""
+        """The copies of the ops, then the cast, all tagged as backward."""
         made = []
         taken = zip(self.snapshot.args, self.snapshot.output, strict=True) if self.snapshot else ()
         copies = {variableify(leaf): copy for leaf, copy in taken}
-        for chain in self.chains:
-            for view in chain:
+        after = made_in_backward(self.first_reader, producers)
+        for leaf in self.pinned:
+            wait, copies[variableify(leaf)] = ordered_read(trace, leaf, [after] if after is not None else [])
+            made.append(wait)
+        for ops in self.ops:
+            for op in ops:
                 with tracectx(trace):
-                    fresh = TensorProxy(like=view.output)
-                swap = {variableify(view.output): fresh, **copies}
-                made.append(view.from_bsym_swap_proxies(swap))
-                copies[variableify(view.output)] = fresh
+                    fresh = TensorProxy(like=op.output)
+                swap = {variableify(op.output): fresh, **copies}
+                made.append(op.from_bsym_swap_proxies(swap))
+                copies[variableify(op.output)] = fresh
         x, *other = [copies.get(variableify(s), s) for s in self.sources]
         state = self.forward.kwargs["state"]
         with tracectx(trace):
@@ -205,7 +305,7 @@ class _Recast:
             save_input=True,
             save_weight=False,
             gelu=self.forward.sym is LINEAR_FWD and arg(self.forward, "gelu"),
-            after=made_in_backward(self.first_reader, producers),
+            after=after,
             **operand,
             **replayed,
             output=(None, copy, None, marker),
@@ -251,7 +351,7 @@ def _recast(bsym: BoundSymbol, first: BoundSymbol, facts: _Facts) -> _Recast | N
     writes = facts.writes
     sources = _sources(bsym)
     x = sources[0]
-    found = [_views_of_kept(s, facts) for s in sources]
+    found = [_views_of_kept(s, facts) or _recomputed(s, facts) for s in sources]
     times = False
     shape_readers = [r for r in facts.consumers.get(x, []) if r is not bsym]
     if found == [None] and _takes_a_product(bsym) and all(map(_reads_only_the_shape, shape_readers)):
@@ -264,17 +364,28 @@ def _recast(bsym: BoundSymbol, first: BoundSymbol, facts: _Facts) -> _Recast | N
                 return None
     if any(f is None for f in found):
         return None
-    chains = [chain for chain, _ in found]
-    leaves = [leaf for _, leaf in found]
+    ops = [made for made, _ in found]
+    leaves = [leaf for _, made_from in found for leaf in made_from]
     outside = [leaf for leaf in leaves if facts.reachable_from_outside(leaf)]
     if any(_SNAPSHOT_SHARE * leaf.numel > x.numel for leaf in outside):
         return None
-    read = [*leaves, *(p for c in chains for v in c for p in v.flat_proxy_args)]
-    span = (writes.position(bsym), writes.position(first))
+    # What the ops read must be what the forward's read (from the first of them), and, but for the
+    # snapshotted inputs, what the backward reads (to the first wgrad).
+    start = min(map(writes.position, [bsym, *(op for made in ops for op in made)]))
     snapshotted = {o.name for o in outside}
-    if not all(writes.unchanged(p, *span) for p in read if p.name not in snapshotted):
-        return None
-    return _Recast(bsym, sources, chains, first, times, shape_readers if times else [], outside)
+    for p in [*leaves, *(p for made in ops for op in made for p in op.flat_proxy_args)]:
+        end = bsym if p.name in snapshotted else first
+        if not writes.unchanged(p, start, writes.position(end)):
+            return None
+    # a fuser's ops read their leaves through te_v2_ordered (see _recomputed)
+    computed = [
+        leaf
+        for made, made_from in found
+        if any(op.sym.name not in _VIEWS for op in made)
+        for leaf in made_from
+    ]
+    pinned = [leaf for leaf in computed if leaf.name not in snapshotted]
+    return _Recast(bsym, sources, ops, first, times, shape_readers if times else [], outside, pinned)
 
 
 def _recastable(trace: TraceCtx, graphed: bool, fusers: list[FusionExecutor]) -> list[_Recast]:
