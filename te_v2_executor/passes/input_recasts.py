@@ -40,7 +40,7 @@ import thunder.torch as ltorch
 from thunder.core import prims, utils
 from thunder.core.proxies import AnyProxy, TensorProxy, variableify
 from thunder.core.pytree import tree_flatten
-from thunder.core.symbol import BoundSymbol, BoundSymbolTag
+from thunder.core.symbol import BoundSymbol, BoundSymbolTag, has_tags
 from thunder.core.trace import TraceCtx, tracectx
 from thunder.core.transform_common import dce
 from thunder.extend import FusionExecutor
@@ -79,6 +79,8 @@ _RECOMPUTABLE = _VIEWS | frozenset(
     | set(_ELEMENTWISE_OPS)
 )
 _MAX_RECOMPUTED = 12
+# The ops Thunder's rematerialization never moves from the forward's region to the backward's.
+_NOT_MOVED = {prims.OpTags.REDUCTION_OP, prims.OpTags.RANDOM_OP, prims.OpTags.MATMUL_OP}
 
 
 def _kept_in_backward(trace: TraceCtx) -> set[str]:
@@ -195,8 +197,10 @@ def _recomputed(root: TensorProxy, facts: _Facts) -> tuple[list[BoundSymbol], li
         return None
 
     def at_hand(p: TensorProxy) -> bool:
-        """Whether the backward has ``p``, or can compute it again, without the forward saving
-        more: a trace input, a tensor a backward symbol reads, or what the ops make of them."""
+        """Whether the backward has ``p``, or Thunder's rematerialization could compute it again
+        there, without the forward saving more: a trace input, a tensor a backward symbol reads,
+        or what a fuser's op that rematerialization may move (no reduction, random op or matmul)
+        makes of them."""
         if p.name not in computable:
             computable[p.name] = False
             producer = facts.producers.get(p, None)
@@ -204,7 +208,11 @@ def _recomputed(root: TensorProxy, facts: _Facts) -> tuple[list[BoundSymbol], li
                 producer is None
                 or producer.sym.id is prims.PrimIDs.UNPACK_TRIVIAL
                 or p.name in facts.kept
-                or (producer.sym.name in _RECOMPUTABLE and all(map(at_hand, operands(producer))))
+                or (
+                    not has_tags(producer, _NOT_MOVED)
+                    and any(f.can_fuse(producer) for f in facts.fusers)
+                    and all(map(at_hand, operands(producer)))
+                )
             )
         return computable[p.name]
 
