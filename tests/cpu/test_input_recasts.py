@@ -243,3 +243,43 @@ def test_a_norm_weight_written_through_data_before_the_backward_does_not_reach_t
         assert row.recasts_input_t == (not skip)
         grads.append(model.proj.weight.grad)
     assert torch.equal(*grads)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_through_thunderfx_a_llamas_norm_outputs_are_cast_again_but_the_embeddings(dtype):
+    """A Hugging Face Llama through ``te_v2_executor.thunderfx`` with torch.compile's fuser: every
+    norm's output is cast again from the norm's input and scale (q's, gate's, the head's) but the
+    first layer's input norm's, whose input is the embedding, which the fuser would compute again
+    from the ids and the table rather than save (in float32 HF's widening is Thunder's
+    ``shallow_copy`` of it); down's from the SwiGLU's operands. On the CPU the attention is the
+    fuser's, so o_proj keeps its copy."""
+    pytest.importorskip("transformers", reason="needs transformers (the [bench] extra)")
+    import re
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import te_v2_executor
+    from te_v2_executor import executors
+
+    config = LlamaConfig(
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=256,
+        attn_implementation="sdpa",
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).to(dtype)
+    ids = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(0))
+    torch._dynamo.reset()
+    compiled = te_v2_executor.thunderfx(model, executors=executors(_te_v2()))
+    compiled(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+    recast = set()
+    for row in explain(compiled).linears:
+        if row.recasts_input_t:
+            found = re.search(r"layers_modules_(\d+)_.*_(\w+_proj)_", row.name)
+            recast.add((int(found[1]), found[2]) if found else "lm_head")
+    expected = {(0, "gate_proj"), (0, "down_proj"), (1, "q_proj"), (1, "gate_proj"), (1, "down_proj")}
+    assert recast == expected | {"lm_head"}, recast
