@@ -165,7 +165,6 @@ def _recomputed(root: TensorProxy, facts: _Facts) -> tuple[list[BoundSymbol], li
 
     def walk(p: TensorProxy) -> tuple[dict[int, BoundSymbol], dict[str, TensorProxy]] | None:
         if p.name not in walked:
-            walked[p.name] = None  # a cycle cannot occur; this stops a repeated walk early
             walked[p.name] = made(p)
         return walked[p.name]
 
@@ -202,7 +201,6 @@ def _recomputed(root: TensorProxy, facts: _Facts) -> tuple[list[BoundSymbol], li
         or what a fuser's op that rematerialization may move (no reduction, random op or matmul)
         makes of them."""
         if p.name not in computable:
-            computable[p.name] = False
             producer = facts.producers.get(p, None)
             computable[p.name] = (
                 producer is None
