@@ -347,3 +347,21 @@ class GraphBroken(nn.Module):
         x = self.first(x)
         torch._dynamo.graph_break()
         return self.second(torch.relu(x))
+
+
+def tiny_llama(hidden: int, dtype: torch.dtype) -> nn.Module:
+    """A random-weight Hugging Face ``LlamaForCausalLM`` on the CPU: 2 layers, 4 heads, 2 KV
+    heads, MLP and vocabulary of twice ``hidden``, PyTorch's attention (needs transformers)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=2 * hidden,
+        attn_implementation="sdpa",
+    )
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config).to(dtype)

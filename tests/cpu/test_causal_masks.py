@@ -254,22 +254,12 @@ def test_a_hugging_face_llama_through_te_v2s_thunderfx_is_one_thunder_region():
     import copy
 
     from thunder.dynamo import thunderfx as thunders_thunderfx
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     import te_v2_executor
     from te_v2_executor import executors, make_te_v2
+    from tests.models import tiny_llama
 
-    config = LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=128,
-        attn_implementation="sdpa",
-    )
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    model = tiny_llama(64, torch.bfloat16)
     twin = copy.deepcopy(model)
     ids = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(0))
 

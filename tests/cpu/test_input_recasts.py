@@ -256,22 +256,11 @@ def test_through_thunderfx_a_llamas_norm_outputs_are_cast_again_but_the_embeddin
     pytest.importorskip("transformers", reason="needs transformers (the [bench] extra)")
     import re
 
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     import te_v2_executor
     from te_v2_executor import executors
+    from tests.models import tiny_llama
 
-    config = LlamaConfig(
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=256,
-        attn_implementation="sdpa",
-    )
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config).to(dtype)
+    model = tiny_llama(128, dtype)
     ids = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(0))
     torch._dynamo.reset()
     compiled = te_v2_executor.thunderfx(model, executors=executors(_te_v2()))
