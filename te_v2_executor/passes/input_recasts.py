@@ -111,8 +111,11 @@ class _Facts:
         symbol reads it, and no fuser can take the symbol that makes it, so no fuser's
         rematerialization computes it again in the backward instead (as Thunder's does a norm's
         normalized input, from the norm's input and scale)."""
-        producer = self.producers.get(p, None)
-        return p.name in self.kept and not any(f.can_fuse(producer) for f in self.fusers)
+        return p.name in self.kept and not self.fusible(self.producers.get(p, None))
+
+    def fusible(self, bsym: BoundSymbol | None) -> bool:
+        """Whether a fuser listed after te_v2 can take ``bsym``."""
+        return any(f.can_fuse(bsym) for f in self.fusers)
 
     def reachable_from_outside(self, p: TensorProxy) -> bool:
         """Whether code outside the trace can write into ``p``'s storage between forward and
@@ -127,11 +130,11 @@ def _views_of_kept(p: TensorProxy, facts: _Facts) -> tuple[list[BoundSymbol], li
     chain: list[BoundSymbol] = []
     while True:
         producer = facts.producers.get(p, None)
-        if producer is None or producer.sym.id is prims.PrimIDs.UNPACK_TRIVIAL:
+        if _unpacked(producer):
             return chain, [p]
         if facts.saved_anyway(p) and not facts.reachable_from_outside(p):
             return chain, [p]
-        tensors = [a for a in producer.flat_proxy_args if isinstance(a, TensorProxy)]
+        tensors = _operands(producer)
         if (
             in_backward(producer)
             or producer.sym.name not in _VIEWS
@@ -171,27 +174,23 @@ def _recomputed(root: TensorProxy, facts: _Facts) -> tuple[list[BoundSymbol], li
     def made(p: TensorProxy) -> tuple[dict[int, BoundSymbol], dict[str, TensorProxy]] | None:
         producer = facts.producers.get(p, None)
         inside = not facts.reachable_from_outside(p)
-        if p is not root and (
-            producer is None
-            or producer.sym.id is prims.PrimIDs.UNPACK_TRIVIAL
-            or (facts.saved_anyway(p) and inside)
-        ):
+        if p is not root and (_unpacked(producer) or (facts.saved_anyway(p) and inside)):
             return {}, {p.name: p}
         if (
             producer is not None
             and not in_backward(producer)
             and producer.sym.name in _RECOMPUTABLE
             and isinstance(producer.output, TensorProxy)
-            and any(f.can_fuse(producer) for f in facts.fusers)
+            and facts.fusible(producer)
         ):
-            found = [walk(a) for a in operands(producer)]
+            found = [walk(a) for a in _operands(producer)]
             if all(f is not None for f in found):
                 ops, leaves = {id(producer): producer}, {}
                 for more_ops, more_leaves in found:
                     ops.update(more_ops)
                     leaves.update(more_leaves)
                 return ops, leaves
-        if p is not root and p.name in facts.kept and inside and not all(map(at_hand, operands(producer))):
+        if p is not root and p.name in facts.kept and inside and not all(map(at_hand, _operands(producer))):
             return {}, {p.name: p}
         return None
 
@@ -203,13 +202,12 @@ def _recomputed(root: TensorProxy, facts: _Facts) -> tuple[list[BoundSymbol], li
         if p.name not in computable:
             producer = facts.producers.get(p, None)
             computable[p.name] = (
-                producer is None
-                or producer.sym.id is prims.PrimIDs.UNPACK_TRIVIAL
+                _unpacked(producer)
                 or p.name in facts.kept
                 or (
                     not has_tags(producer, _NOT_MOVED)
-                    and any(f.can_fuse(producer) for f in facts.fusers)
-                    and all(map(at_hand, operands(producer)))
+                    and facts.fusible(producer)
+                    and all(map(at_hand, _operands(producer)))
                 )
             )
         return computable[p.name]
@@ -221,9 +219,14 @@ def _recomputed(root: TensorProxy, facts: _Facts) -> tuple[list[BoundSymbol], li
     return sorted(ops.values(), key=facts.writes.position), list(leaves.values())
 
 
-def operands(bsym: BoundSymbol) -> list[TensorProxy]:
+def _operands(bsym: BoundSymbol) -> list[TensorProxy]:
     """The tensors ``bsym`` reads."""
     return [a for a in bsym.flat_proxy_args if isinstance(a, TensorProxy)]
+
+
+def _unpacked(producer: BoundSymbol | None) -> bool:
+    """Whether ``producer`` makes a trace input: none does, or the unpack that gives it."""
+    return producer is None or producer.sym.id is prims.PrimIDs.UNPACK_TRIVIAL
 
 
 def _sources(bsym: BoundSymbol) -> list[TensorProxy]:
@@ -357,7 +360,12 @@ def _recast(bsym: BoundSymbol, first: BoundSymbol, facts: _Facts) -> _Recast | N
     writes = facts.writes
     sources = _sources(bsym)
     x = sources[0]
-    found = [_views_of_kept(s, facts) or _recomputed(s, facts) for s in sources]
+    found, computed = [], []
+    for s in sources:
+        made = _views_of_kept(s, facts)
+        if made is None and (made := _recomputed(s, facts)) is not None:
+            computed += made[1]
+        found.append(made)
     times = False
     shape_readers = [r for r in facts.consumers.get(x, []) if r is not bsym]
     if found == [None] and _takes_a_product(bsym) and all(map(_reads_only_the_shape, shape_readers)):
@@ -384,12 +392,6 @@ def _recast(bsym: BoundSymbol, first: BoundSymbol, facts: _Facts) -> _Recast | N
         if not writes.unchanged(p, start, writes.position(end)):
             return None
     # a fuser's ops read their leaves through te_v2_ordered (see _recomputed)
-    computed = [
-        leaf
-        for made, made_from in found
-        if any(op.sym.name not in _VIEWS for op in made)
-        for leaf in made_from
-    ]
     pinned = [leaf for leaf in computed if leaf.name not in snapshotted]
     return _Recast(bsym, sources, ops, first, times, shape_readers if times else [], outside, pinned)
 
