@@ -21,6 +21,7 @@ from te_v2_executor.executor import (
     make_te_v2,
     te_v2,
 )
+from te_v2_executor.inductor import inductor_ex
 from te_v2_executor.recipes import RecipeSpec, Scaling, block_scaling, current_scaling, delayed_scaling
 from te_v2_executor.report import LinearReport, Report, explain
 from te_v2_executor.state import (
@@ -53,6 +54,7 @@ __all__ = [
     "delayed_scaling",
     "executors",
     "explain",
+    "inductor_ex",
     "load_quantization_state_dict",
     "make_te_v2",
     "quantization_state_dict",

@@ -39,17 +39,18 @@ def fuses_elementwise(ex: Any) -> bool:
 
 def fast_after_te_v2() -> list[Executor]:
     """te_v2's attention executor (cuDNN's fused kernels, ``attention.py``), Thunder's SDPA executor
-    for the attentions it does not claim, then Thunder's torch.compile executor for the rest.
+    for the attentions it does not claim, then Thunder's torch.compile executor for the rest, its
+    regions called without Dynamo (``inductor.py``).
 
     Not Thunder's cuDNN attention executor, which Thunder lists first among its defaults: Thunder
     0.2.6's raises while checking an attention with the cuDNN frontend of the GPU machine's torch
     2.11 image (``broken_default_attention``)."""
     from thunder.executors.sdpaex import sdpa_ex
-    from thunder.executors.torch_compile import torch_compile_ex
 
     from te_v2_executor.attention import attention_ex
+    from te_v2_executor.inductor import inductor_ex
 
-    return [attention_ex, sdpa_ex, torch_compile_ex]
+    return [attention_ex, sdpa_ex, inductor_ex]
 
 
 def broken_default_attention() -> str:

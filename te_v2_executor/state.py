@@ -77,6 +77,7 @@ class LinearQuantState:
         self.amax_group: Any = None  # the amax reduction group seen by the last forward flush
         self._forward = None
         self._backward = None
+        self._replays: dict[torch.device, Any] = {}
         self._loaded: dict[bool, dict[str, torch.Tensor]] = {}  # held until the scaling is made
 
     def __repr__(self) -> str:
@@ -97,6 +98,16 @@ class LinearQuantState:
         if self._backward is None:
             self._backward = self._new_scaling(forward=False, device=device)
         return self._backward
+
+    def replay_scaling(self, scale: torch.Tensor) -> Any:
+        """A forward scaling state quantizing with ``scale`` whose amaxes go nowhere, for the
+        casts the backward makes again with the scales the forward used (snapshotted by the
+        forward sync): one per device, rescaled on each call."""
+        replay = self._replays.get(scale.device)
+        if replay is None:
+            replay = self._replays[scale.device] = self.numerics.ScalingState.replaying(self.recipe, scale)
+            return replay
+        return replay.rescale(scale)
 
     def _new_scaling(self, *, forward: bool, device: torch.device) -> Any:
         """A backend scaling state of one direction, holding the tensors loaded for it."""

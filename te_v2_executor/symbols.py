@@ -106,7 +106,7 @@ def _linear_fwd_impl(
     if replay is None:
         scaling = state.forward_scaling((w if w is not None else x).device)
     else:
-        scaling = state.numerics.ScalingState.replaying(state.recipe, replay[replay_row])
+        scaling = state.replay_scaling(replay[replay_row])
     y, x_saved, w_saved = state.numerics.linear_fwd(
         x if times is None else x * times,
         w,

@@ -33,6 +33,11 @@ class ScalingState(Protocol):
         checkpoint recompute's, quantizing as the original forward did."""
         ...
 
+    def rescale(self, scale: torch.Tensor) -> ScalingState:
+        """This replaying state, quantizing with ``scale`` from now on: a recast made again every
+        step reuses its state rather than making one a call."""
+        ...
+
 
 class KernelBackend(Protocol):
     """The numerics of the te_v2 FP8 symbols, as one module's functions."""

@@ -93,6 +93,10 @@ class ScalingState:
         state.amax_history = torch.zeros(1, 2, dtype=torch.float32, device=scale.device)
         return state
 
+    def rescale(self, scale: torch.Tensor) -> ScalingState:
+        self.scale = scale
+        return self
+
 
 def _scale_from_amax(amax: torch.Tensor, fp8_max: float, recipe: RecipeSpec) -> torch.Tensor:
     amax = amax.float().clamp(min=recipe.amax_epsilon)

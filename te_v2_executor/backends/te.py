@@ -127,6 +127,14 @@ class ScalingState:
         _configure(state.quantizers, recipe, forward=True)
         return state
 
+    def rescale(self, scale: torch.Tensor) -> ScalingState:
+        """This replaying state, quantizing with ``scale`` from now on (its amaxes still go
+        nowhere)."""
+        self.scale = scale
+        for i, quantizer in enumerate(self.quantizers):
+            quantizer.scale = scale[i]
+        return self
+
 
 def _quantize(quantizer: Any, tensor: torch.Tensor) -> Any:
     """``quantizer(tensor)`` less its wrapper, which only serves autograd, casts into an existing

@@ -37,12 +37,14 @@ def test_executors_list_te_v2_first_then_a_fuser():
 def test_executors_list_attention_executors_then_torch_compile_not_thunders_cudnn():
     """Without an attention executor Thunder decomposes a scaled-dot-product attention inside a
     region into two matrix products and a softmax (tests/gpu/test_attention.py runs one); Thunder
-    0.2.6's cuDNN one raises while checking it with a current cuDNN frontend."""
+    0.2.6's cuDNN one raises while checking it with a current cuDNN frontend. The fuser is
+    Thunder's torch.compile executor, its regions called without Dynamo (test_inductor.py)."""
     from thunder.executors.sdpaex import sdpa_ex
 
     from te_v2_executor.attention import attention_ex
+    from te_v2_executor.inductor import inductor_ex
 
-    assert executors()[1:] == [attention_ex, sdpa_ex, torch_compile_ex]
+    assert executors()[1:] == [attention_ex, sdpa_ex, inductor_ex]
     assert "cudnn" not in {ex.name for ex in executors()}
 
 

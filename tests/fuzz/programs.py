@@ -20,6 +20,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import te_v2_executor.inductor  # noqa: F401
+
 # Feature sizes: multiples of 16 (FP8 or unquantized, by M) and two that fall back.
 FEATURES = (16, 32, 48, 64, 24, 40)
 FEATURE_WEIGHTS = (2, 3, 2, 3, 1, 1)
@@ -116,10 +118,12 @@ class Fusing:
 
 # ``--fuser`` choices: te_v2 alone, as ``thunder.jit(model, executors=[te_v2])`` compiles; or
 # followed by torch.compile's executor with the dataflow fusion thunderfx selects, which orders
-# the trace anew by its data dependencies.
+# the trace anew by its data dependencies: Thunder's, or te_v2's ``inductor_ex`` (the one
+# ``executors()`` lists), registered under its name by importing ``te_v2_executor.inductor``.
 FUSINGS = {
     "none": Fusing(),
     "torch.compile": Fusing(("torchcompile",), (("fusion_type", "dataflow"),)),
+    "inductor": Fusing(("te_v2_inductor",), (("fusion_type", "dataflow"),)),
 }
 
 
