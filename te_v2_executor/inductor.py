@@ -14,8 +14,9 @@ Thunder trace is recorded as an FX graph (``make_fx``, on fake tensors) and comp
 the value of each number), and the compiled code is called directly. Inductor's generated code
 checks each tensor's sizes and strides itself, and copies inputs that are not aligned as it
 assumed. What the direct route does not key on goes through Dynamo as before: tensor
-subclasses, values that are not numbers, a region that has seen more than ``MAX_LAYOUTS``
-layouts (a number that changes every call), and a region that writes in place, whose result may
+subclasses, values that are not numbers, numbers that change between calls on tensors of one
+layout (a random seed, a step count: Dynamo makes them dynamic, where each value would compile
+here), a region that has seen more than ``MAX_LAYOUTS`` layouts, and a region that writes in place, whose result may
 depend on which of its inputs alias each other, which Dynamo guards and the layout does not.
 """
 
@@ -52,6 +53,13 @@ def _layout(args: tuple[Any, ...]) -> tuple[Any, ...] | None:
     return tuple(key)
 
 
+def _tensor_part(key: tuple[Any, ...] | None, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
+    """The entries of ``key`` that are tensors' layouts."""
+    if key is None:
+        return None
+    return tuple(k for k, a in zip(key, args, strict=True) if type(a) in _PLAIN_TENSORS)
+
+
 class DirectRegion:
     """One fusion region's torch callable, compiled by Inductor per input layout and called
     without Dynamo; through ``torch.compile`` where the layout cannot key it."""
@@ -61,13 +69,20 @@ class DirectRegion:
         self.compiled: dict[tuple[Any, ...], Callable] = {}
         self._dynamo_options = dict(mode=mode, fullgraph=fullgraph)
         self._dynamo: Callable | None = None
+        self._tensor_layouts: set[tuple[Any, ...]] = set()
         self.writes = False
 
     def __call__(self, *args: Any) -> Any:
         key = _layout(args)
         compiled = self.compiled.get(key) if key is not None else None
         if compiled is None:
-            if key is None or self.writes or len(self.compiled) >= MAX_LAYOUTS:
+            tensors = _tensor_part(key, args)
+            if (
+                key is None
+                or self.writes
+                or len(self.compiled) >= MAX_LAYOUTS
+                or tensors in self._tensor_layouts
+            ):
                 return self.through_dynamo(*args)
             from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -76,6 +91,7 @@ class DirectRegion:
             if self.writes:
                 return self.through_dynamo(*args)
             compiled = self.compiled[key] = torch._inductor.compile(graph, list(args))
+            self._tensor_layouts.add(tensors)
         return compiled(*args)
 
     def through_dynamo(self, *args: Any) -> Any:
