@@ -16,8 +16,9 @@ checks each tensor's sizes and strides itself, and copies inputs that are not al
 assumed. What the direct route does not key on goes through Dynamo as before: tensor
 subclasses, values that are not numbers, numbers that change between calls on tensors of one
 layout (a random seed, a step count: Dynamo makes them dynamic, where each value would compile
-here), a region that has seen more than ``MAX_LAYOUTS`` layouts, and a region that writes in place, whose result may
-depend on which of its inputs alias each other, which Dynamo guards and the layout does not.
+here), a region that has seen more than ``MAX_LAYOUTS`` layouts, and a region that writes in
+place, whose result may depend on which of its inputs alias each other, which Dynamo guards and
+the layout does not.
 """
 
 from __future__ import annotations
