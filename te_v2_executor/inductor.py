@@ -40,25 +40,19 @@ _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 _NUMBERS = (bool, int, float, complex, type(None), torch.dtype, torch.device)
 
 
-def _layout(args: tuple[Any, ...]) -> tuple[Any, ...] | None:
-    """What a compiled region is specialized on, per argument; None if an argument is not a
-    plain tensor or a number."""
-    key = []
-    for a in args:
+def _layout(args: tuple[Any, ...]) -> tuple[tuple[Any, ...], tuple[Any, ...]] | None:
+    """What a compiled region is specialized on: the position, sizes, strides, dtype and device of
+    each tensor, then the position, type and value of each number; None if an argument is
+    neither a plain tensor nor a number."""
+    tensors, numbers = [], []
+    for i, a in enumerate(args):
         if type(a) in _PLAIN_TENSORS:
-            key.append((a.shape, a.stride(), a.dtype, a.device))
+            tensors.append((i, a.shape, a.stride(), a.dtype, a.device))
         elif type(a) in _NUMBERS:
-            key.append((type(a), a))
+            numbers.append((i, type(a), a))
         else:
             return None
-    return tuple(key)
-
-
-def _tensor_part(key: tuple[Any, ...] | None, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
-    """The entries of ``key`` that are tensors' layouts."""
-    if key is None:
-        return None
-    return tuple(k for k, a in zip(key, args, strict=True) if type(a) in _PLAIN_TENSORS)
+    return tuple(tensors), tuple(numbers)
 
 
 class DirectRegion:
@@ -67,22 +61,20 @@ class DirectRegion:
 
     def __init__(self, fn: Callable, *, mode: str | None = None, fullgraph: bool = True) -> None:
         self.fn = fn
-        self.compiled: dict[tuple[Any, ...], Callable] = {}
+        self.compiled: dict[tuple[tuple[Any, ...], tuple[Any, ...]], Callable] = {}
         self._dynamo_options = dict(mode=mode, fullgraph=fullgraph)
         self._dynamo: Callable | None = None
-        self._tensor_layouts: set[tuple[Any, ...]] = set()
         self.writes = False
 
     def __call__(self, *args: Any) -> Any:
         key = _layout(args)
         compiled = self.compiled.get(key) if key is not None else None
         if compiled is None:
-            tensors = _tensor_part(key, args)
             if (
                 key is None
                 or self.writes
                 or len(self.compiled) >= MAX_LAYOUTS
-                or tensors in self._tensor_layouts
+                or any(tensors == key[0] for tensors, _ in self.compiled)
             ):
                 return self.through_dynamo(*args)
             from torch.fx.experimental.proxy_tensor import make_fx
@@ -92,7 +84,6 @@ class DirectRegion:
             if self.writes:
                 return self.through_dynamo(*args)
             compiled = self.compiled[key] = torch._inductor.compile(graph, list(args))
-            self._tensor_layouts.add(tensors)
         return compiled(*args)
 
     def through_dynamo(self, *args: Any) -> Any:

@@ -106,7 +106,6 @@ class LinearQuantState:
         replay = self._replays.get(scale.device)
         if replay is None:
             replay = self._replays[scale.device] = self.numerics.ScalingState.replaying(self.recipe, scale)
-            return replay
         return replay.rescale(scale)
 
     def _new_scaling(self, *, forward: bool, device: torch.device) -> Any:
