@@ -2,6 +2,8 @@
 
     python -m benchmarks.run --suite hf [--out results]                  # every model, scenario, variant
     python -m benchmarks.hf --models 8b --scenarios lora --variants "thunderfx + te_v2"
+    python -m benchmarks.hf --models 1b --scenarios full --rounds 2 \
+        --variants "thunderfx + te_v2" "torchao float8 + torch.compile"  # in turn, twice
 
 Random weights at Llama-3-8B's layer dims (2 layers) and of the Llama-3.2-1B class (16 layers),
 4 x 2048 tokens, forward and backward of the model's own loss (``use_cache=False``, as training
@@ -20,6 +22,7 @@ import json
 import math
 import os
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -390,34 +393,86 @@ def run_suite(
     steps: int,
     timeout_s: float,
     profile: bool = False,
+    rounds: int = 1,
 ) -> list[dict[str, Any]]:
     """Every (model, scenario, variant) in a fresh process, rows in the order run; with
-    ``profile``, each also writes its kernel tables beside its JSON row."""
+    ``profile``, each also writes its kernel tables beside its JSON row. With ``rounds`` above 1,
+    each model and scenario runs its variants in turn that many times, and each row merges a
+    variant's rounds (``merged_rounds``): processes started one after another on one machine
+    differ by more than the variants compared (docs/performance.md, "Run-to-run variance")."""
     rows = []
     for model_name in models:
         for scenario in scenarios:
+            runs: dict[str, list[dict[str, Any]]] = {variant: [] for variant in variants}
+            for r in range(rounds):
+                for variant in variants:
+                    slug = re.sub(r"[^A-Za-z0-9]+", "-", variant).strip("-").lower()
+                    slug += f"-round{r}" if rounds > 1 else ""
+                    result = out / f"hf-{model_name}-{scenario}-{slug}.json"
+                    run = _run_worker_process(
+                        result,
+                        (model_name, scenario, variant),
+                        warmup=warmup,
+                        steps=steps,
+                        timeout_s=timeout_s,
+                        profile=profile,
+                    )
+                    runs[variant].append(run)
             for variant in variants:
-                slug = re.sub(r"[^A-Za-z0-9]+", "-", variant).strip("-").lower()
-                result = out / f"hf-{model_name}-{scenario}-{slug}.json"
-                cmd = [sys.executable, "-m", "benchmarks.hf", "--worker", "--out", str(result)]
-                cmd += ["--models", model_name, "--scenarios", scenario, "--variants", variant]
-                cmd += ["--warmup", str(warmup), "--steps", str(steps)]
-                cmd += ["--profile"] if profile else []
-                row = {"model": model_name, "scenario": scenario, "variant": variant}
-                try:
-                    with tempfile.TemporaryDirectory(prefix="te_v2_bench_cache_") as cache:
-                        env = _cold_env(Path(cache))
-                        done = subprocess.run(cmd, timeout=timeout_s, capture_output=True, text=True, env=env)
-                    if done.returncode == 0:
-                        row = json.loads(result.read_text())
-                    else:
-                        result.with_suffix(".stderr.txt").write_text(done.stderr)
-                        row["error"] = (done.stderr.strip().splitlines() or ["no output"])[-1]
-                except subprocess.TimeoutExpired:
-                    row["error"] = f"timed out after {timeout_s:.0f} s"
-                rows.append(row)
-                print(_line(row, rows), file=sys.stderr, flush=True)
+                rows.append(merged_rounds(runs[variant]))
+                print(_line(rows[-1], rows), file=sys.stderr, flush=True)
     return rows
+
+
+def _run_worker_process(
+    result: Path, case: tuple[str, str, str], *, warmup: int, steps: int, timeout_s: float, profile: bool
+) -> dict[str, Any]:
+    """The row of one (model, scenario, variant) ``case`` run by a worker process of its own,
+    which writes it to ``result``; the row carries an "error" where the worker failed."""
+    model_name, scenario, variant = case
+    cmd = [sys.executable, "-m", "benchmarks.hf", "--worker", "--out", str(result)]
+    cmd += ["--models", model_name, "--scenarios", scenario, "--variants", variant]
+    cmd += ["--warmup", str(warmup), "--steps", str(steps)]
+    cmd += ["--profile"] if profile else []
+    row = {"model": model_name, "scenario": scenario, "variant": variant}
+    try:
+        with tempfile.TemporaryDirectory(prefix="te_v2_bench_cache_") as cache:
+            done = subprocess.run(
+                cmd, timeout=timeout_s, capture_output=True, text=True, env=_cold_env(Path(cache))
+            )
+        if done.returncode == 0:
+            return json.loads(result.read_text())
+        result.with_suffix(".stderr.txt").write_text(done.stderr)
+        row["error"] = (done.stderr.strip().splitlines() or ["no output"])[-1]
+    except subprocess.TimeoutExpired:
+        row["error"] = f"timed out after {timeout_s:.0f} s"
+    return row
+
+
+def merged_rounds(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One row for a variant's rounds: the first completed round's row, with the median of the
+    rounds' median step times (and the throughputs it gives), every round's median under
+    "step_ms_rounds", and p10 to p90 spanning all rounds; a row that failed in some round says
+    how many under "failed_rounds". Where every round failed, the first round's error."""
+    done = [r for r in runs if "error" not in r]
+    if not done:
+        return runs[0]
+    if len(runs) == 1:
+        return done[0]
+    row = dict(done[0])
+    medians = [r["step_ms"] for r in done]
+    row["step_ms"] = statistics.median(medians)
+    row["step_ms_rounds"] = medians
+    row["step_ms_p10_p90"] = [
+        min(r["step_ms_p10_p90"][0] for r in done),
+        max(r["step_ms_p10_p90"][1] for r in done),
+    ]
+    row["tokens_per_s"] = BATCH * SEQUENCE / (row["step_ms"] * 1e-3)
+    row["tflops"] = done[0]["tflops"] * done[0]["step_ms"] / row["step_ms"]
+    row["fp8_peak_share"] = row["tflops"] / shapes.H200_DENSE_FP8_TFLOPS
+    if len(done) < len(runs):
+        row["failed_rounds"] = len(runs) - len(done)
+    return row
 
 
 def _baseline(row: dict[str, Any], rows: list[dict[str, Any]], variant: str) -> float | None:
@@ -464,6 +519,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--timeout", type=float, default=900, help="seconds one variant may take")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run the variants in turn this many times; rows merge the rounds",
+    )
     parser.add_argument("--worker", action="store_true", help="run one variant here, write its row to --out")
     parser.add_argument(
         "--profile",
@@ -495,12 +556,14 @@ def main(argv: list[str] | None = None) -> int:
         steps=args.steps,
         timeout_s=args.timeout,
         profile=args.profile,
+        rounds=args.rounds,
     )
     (args.out / "hf.json").write_text(
         json.dumps({"device": torch.cuda.get_device_name(), "results": rows}, indent=1)
     )
     print(
-        f"# Hugging Face Llama on {torch.cuda.get_device_name()} ({BATCH} x {SEQUENCE} tokens, median of {args.steps} steps)\n"
+        f"# Hugging Face Llama on {torch.cuda.get_device_name()} ({BATCH} x {SEQUENCE} tokens, median of {args.steps} steps"
+        + (f", median of {args.rounds} rounds' medians)\n" if args.rounds > 1 else ")\n")
     )
     print(table(rows))
     from benchmarks.plots import write_hf_plots
