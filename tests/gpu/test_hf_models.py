@@ -137,3 +137,34 @@ def test_te_v2s_thunderfx_runs_a_llamas_attentions_causal_on_cudnn(scenario):
     ours, theirs = cosines.values()
     print(f"\n[{scenario}] cosines, te_v2's thunderfx: {ours}; Thunder's: {theirs}")
     assert all(ours[f] > MIN_COSINE and abs(ours[f] - theirs[f]) < 0.01 for f in ours), cosines
+
+
+def test_norm_outputs_cast_again_move_one_steps_gradients_far_less_than_fp8_does():
+    """With a fuser, ``input_recasts`` casts each norm's output again in the backward, computed
+    from the norm's input and scale as eager rounds it, where the fuser's forward region may keep
+    a value in float32 (a last-bit difference before the cast). One step's gradients with and
+    without the pass differ by far less than FP8's differ from BF16 eager's; a recast of the wrong
+    tensor, or with the wrong scale, would not. Measured over four SGD steps, the trajectories
+    part to a gradient cosine of 0.990 (q_proj, 2026-12-03)."""
+    import te_v2_executor
+    from benchmarks.hf import llama
+    from te_v2_executor import executors, explain
+    from tests.gpu.common import te_v2_claiming_all
+
+    model = llama(SMALL, "full")
+    ids = torch.randint(0, 512, (2, 128), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    reference = _grads(model, model, ids)
+    runs = []
+    for skip in ((), ("input_recasts",)):
+        torch._dynamo.reset()
+        compiled = te_v2_executor.thunderfx(model, executors=executors(te_v2_claiming_all(skip_passes=skip)))
+        for _ in range(2):  # the second step runs with the first step's delayed-scaling update
+            grads = _grads(compiled, model, ids)
+        recast = {r.name for r in explain(compiled).linears if r.recasts_input_t}
+        runs.append((grads, recast))
+    (recast_grads, recast), (saved_grads, none_recast) = runs
+    assert any("q_proj" in name for name in recast) and not none_recast, (recast, none_recast)
+    apart = grad_cosines(recast_grads, saved_grads)
+    fp8 = grad_cosines(saved_grads, reference)
+    print(f"\ncosines with and without input_recasts: {apart}; without, to BF16 eager: {fp8}")
+    assert all(1 - apart[f] <= 0.1 * (1 - fp8[f]) for f in fp8), (apart, fp8)
