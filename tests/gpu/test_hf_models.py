@@ -142,10 +142,11 @@ def test_te_v2s_thunderfx_runs_a_llamas_attentions_causal_on_cudnn(scenario):
 def test_norm_outputs_cast_again_move_one_steps_gradients_far_less_than_fp8_does():
     """With a fuser, ``input_recasts`` casts each norm's output again in the backward, computed
     from the norm's input and scale as eager rounds it, where the fuser's forward region may keep
-    a value in float32 (a last-bit difference before the cast). One step's gradients with and
-    without the pass differ by far less than FP8's differ from BF16 eager's; a recast of the wrong
-    tensor, or with the wrong scale, would not. Measured over four SGD steps, the trajectories
-    part to a gradient cosine of 0.990 (q_proj, 2026-12-03)."""
+    a value in float32 (a last-bit difference before the cast), and the fuser groups the
+    backward's ops differently around it (other roundings of the bfloat16 gradients). One step's
+    gradients with and without the pass differ by far less than FP8's differ from BF16 eager's; a
+    recast of the wrong tensor, or with the wrong scale, would not. Measured over four SGD steps,
+    the trajectories part to a gradient cosine of 0.990 (q_proj, 2026-12-03)."""
     import te_v2_executor
     from benchmarks.hf import llama
     from te_v2_executor import executors, explain
