@@ -348,13 +348,19 @@ def run_worker(
     baseline += sum(p.grad.nbytes for p in model.parameters() if p.grad is not None)
     flops = needed_flops(model_name, scenario)
     row.update(measure(step, model, flops=flops, warmup=warmup, steps=steps, baseline=baseline))
-    row["tokens_per_s"] = BATCH * SEQUENCE / (row["step_ms"] * 1e-3)
-    row["fp8_peak_share"] = row["tflops"] / shapes.H200_DENSE_FP8_TFLOPS
+    _add_throughputs(row)
     if profile is not None:
         row.update(_profile(step, profile, title=f"{model_name} {scenario}, {variant}"))
     step()
     row["grad_cosine"] = grad_cosines(family_grads(model), reference)
     return row
+
+
+def _add_throughputs(row: dict[str, Any]) -> None:
+    """The figures a row derives from its step time and TFLOP/s: tokens a second and the share
+    of the H200's dense FP8 peak."""
+    row["tokens_per_s"] = BATCH * SEQUENCE / (row["step_ms"] * 1e-3)
+    row["fp8_peak_share"] = row["tflops"] / shapes.H200_DENSE_FP8_TFLOPS
 
 
 def _profile(step: Callable[[], None], path: Path, *, title: str) -> dict[str, float]:
@@ -467,9 +473,8 @@ def merged_rounds(runs: list[dict[str, Any]]) -> dict[str, Any]:
         min(r["step_ms_p10_p90"][0] for r in done),
         max(r["step_ms_p10_p90"][1] for r in done),
     ]
-    row["tokens_per_s"] = BATCH * SEQUENCE / (row["step_ms"] * 1e-3)
     row["tflops"] = done[0]["tflops"] * done[0]["step_ms"] / row["step_ms"]
-    row["fp8_peak_share"] = row["tflops"] / shapes.H200_DENSE_FP8_TFLOPS
+    _add_throughputs(row)
     if len(done) < len(runs):
         row["failed_rounds"] = len(runs) - len(done)
     return row
