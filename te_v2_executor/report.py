@@ -25,6 +25,7 @@ from te_v2_executor.symbols import (
     LINEAR_SYMBOLS,
     QUANTIZE_GRAD_OUTPUT,
     QUANTIZE_INPUT,
+    RECAST_WEIGHTS,
     UNQUANTIZED_DGRAD,
     UNQUANTIZED_FWD,
     UNQUANTIZED_SYMBOLS,
@@ -135,6 +136,10 @@ def _claimed_linears(trace: TraceCtx) -> dict[Any, dict[str, Any]]:
     for bsym in trace.bound_symbols:
         if bsym.sym is QUANTIZE_INPUT:
             casts[bsym.output[0].name] = bsym
+            continue
+        if bsym.sym is RECAST_WEIGHTS:
+            for state in bsym.kwargs["states"]:
+                sites.setdefault(id(state), {"state": state})["recasts_weight_t"] = True
             continue
         if bsym.sym in UNQUANTIZED_SYMBOLS:
             site = sites.setdefault(_site_key(bsym), {})

@@ -148,6 +148,27 @@ QUANTIZE_INPUT = ops.register_operator(
 )
 
 
+# ---- the weight recasts of several dgrads, as one cast (``passes/recast_batches.py``) --------
+# ``ws``: parameters the backward casts again (``passes/recasts.py``), one per state of ``states``;
+# ``rows``: each state's row in ``replay``, the forward sync's snapshot of the scales its forward
+# quantized with. ``after``: as for a recast, the gradient the first of their dgrads reads.
+
+
+def _recast_weights_meta(replay, after, *ws, states, rows):
+    return tuple(_fp8_proxy(w, tuple(w.shape), s, forward=True) for w, s in zip(ws, states, strict=True))
+
+
+def _recast_weights_impl(replay, after, *ws, states, rows):
+    scales = replay.unbind(0)
+    scalings = [s.replay_scaling(scales[row]) for s, row in zip(states, rows, strict=True)]
+    return states[0].numerics.recast_weights(ws, scalings)
+
+
+RECAST_WEIGHTS = ops.register_operator(
+    "te_v2_recast_weights", meta=_recast_weights_meta, fn=_recast_weights_impl
+)
+
+
 # ---- backward: dy quantized once, shared by dgrad and wgrad; bias grad alongside ------------
 # ``gelu_input``: dy is the gradient of an exact GELU's output, and the GELU's input is given; the
 # gradient of that input is what gets quantized (``passes/gelu.py``). ``swiglu_gate``: dy is the

@@ -50,6 +50,22 @@ def bsyms_of(trace: thunder.core.trace.TraceCtx | None, sym) -> list:
     return [b for b in trace.bound_symbols if b.sym is sym]
 
 
+def recast_copies(trace: thunder.core.trace.TraceCtx) -> dict[str, tuple[Any, Any]]:
+    """The W^T copies ``trace`` casts again for dgrads (``weight_recasts``), by the name of their
+    state's weight: each copy, and the scales snapshot it is cast with, whether a recast of its
+    own makes it or a batch of them (``recast_batches``)."""
+    from te_v2_executor.symbols import LINEAR_FWD, RECAST_WEIGHTS, arg, is_recast
+
+    found = {}
+    for b in trace.bound_symbols:
+        if b.sym is LINEAR_FWD and is_recast(b):
+            found[b.kwargs["state"].name] = (b.output[2], arg(b, "replay"))
+        elif b.sym is RECAST_WEIGHTS:
+            for state, copy in zip(b.kwargs["states"], b.output, strict=True):
+                found[state.name] = (copy, b.args[0])
+    return found
+
+
 def forward_trace(jitted) -> thunder.core.trace.TraceCtx:
     return thunder.last_traces(jitted)[-1]
 

@@ -8,8 +8,9 @@ Thunder splits off and runs; then the explain report. docs/architecture.md quote
 
     python docs/examples/trace_seed_case.py
 
-Printed lines are Thunder's own, except that each quantization state or sync group argument,
-an opaque object in Thunder's printout, is shown as the weight it belongs to or its repr.
+Printed lines are Thunder's own, except that each quantization state (``state=``, each of
+``states=``) or sync group argument, an opaque object in Thunder's printout, is shown as the
+weight it belongs to or its repr.
 """
 
 from __future__ import annotations
@@ -66,6 +67,8 @@ def shown_lines(trace: TraceCtx) -> list[str]:
             continue
         (line,) = bsym.python(indent=0, print_depth=1)
         line = line.split("  # ")[0]  # drop the result type comment
+        for state in bsym.kwargs.get("states", ()):
+            line = _OPAQUE.sub(f"<{state.name}>", line, count=1)
         label = bsym.kwargs.get("state", bsym.kwargs.get("group"))
         if label is not None:
             shown = f"<{label.name}>" if "state" in bsym.kwargs else repr(label)

@@ -63,6 +63,11 @@ class KernelBackend(Protocol):
         ``up``, the GEMM's input is ``activation_input`` of x."""
         ...
 
+    def recast_weights(self, ws: tuple[torch.Tensor, ...], scalings: list[Any]) -> tuple[Any, ...]:
+        """The column-wise FP8 copy of each of ``ws`` with its scaling (``linear_fwd``'s for a
+        forward that only saves the weight's copy), in one call."""
+        ...
+
     def quantize_input(
         self, x: torch.Tensor, scaling: Any, sharers: list[Any], *, columnwise: bool
     ) -> tuple[Any, Any]:

@@ -203,6 +203,16 @@ def linear_fwd(
     )
 
 
+def recast_weights(
+    ws: tuple[torch.Tensor, ...], scalings: list[ScalingState]
+) -> tuple[ReferenceQuantizedTensor, ...]:
+    """The column-wise FP8 copy of each of ``ws``, as ``linear_fwd`` makes a recast's."""
+    return tuple(
+        linear_fwd(None, w, None, s, compute_output=False, save_input=False, save_weight=True)[2]
+        for w, s in zip(ws, scalings, strict=True)
+    )
+
+
 def quantize_input(
     x: torch.Tensor, scaling: ScalingState, sharers: list[ScalingState], *, columnwise: bool
 ) -> tuple[ReferenceQuantizedTensor, ReferenceQuantizedTensor | None]:

@@ -263,6 +263,17 @@ def linear_fwd(
     )
 
 
+def recast_weights(ws: tuple[torch.Tensor, ...], scalings: list[ScalingState]) -> tuple[Any, ...]:
+    """The column-wise FP8 copy of each of ``ws`` with its scaling's weight quantizer, as
+    ``linear_fwd`` would make it for a recast, by one call to TE's multi-tensor cast: under delayed
+    scaling one kernel for all of them, and one crossing into TE instead of one per weight."""
+    quantizers = [scaling.quantizers[1] for scaling in scalings]
+    for quantizer in quantizers:
+        quantizer.set_usage(rowwise=True, columnwise=True)
+    copies = tex.multi_tensor_quantize([w.contiguous() for w in ws], quantizers)
+    return tuple(_keep_columnwise_only(copy) for copy in copies)
+
+
 def quantize_input(
     x: torch.Tensor, scaling: ScalingState, sharers: list[ScalingState], *, columnwise: bool
 ) -> tuple[Any, Any]:

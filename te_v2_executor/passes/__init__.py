@@ -27,6 +27,7 @@ from te_v2_executor.passes import (
     handback,
     input_recasts,
     narrowings,
+    recast_batches,
     recasts,
     recompute_guard,
     scales,
@@ -221,6 +222,15 @@ PIPELINE: tuple[Pass, ...] = (
         "after every fold and widenings, which decide what the backward reads and what each forward "
         "casts; before write_order, which orders the writes after the recasts' reads",
         "each forward saves exactly the copies its readers read; no CUDA graphs, as for weight_recasts",
+        optional=True,
+    ),
+    Pass(
+        "recast_batches",
+        lambda trace, context: recast_batches.batch_recasts(trace),
+        "weight recasts that follow one another in the backward are one multi-tensor cast",
+        "after every pass that adds recasts (weight_recasts) or gives them their scales (syncs, "
+        "input_recasts' snapshot); before write_order, which orders writes after the batch's reads",
+        "each recast reads its final weight and scale snapshot",
         optional=True,
     ),
     Pass(

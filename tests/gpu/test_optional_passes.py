@@ -1,8 +1,9 @@
 """The passes that save memory, on TransformerEngine, on and off: ``weight_recasts`` (dgrads read
 W^T cast in the backward), ``shared_inputs`` (one cast of an input several forwards read) and
 ``input_recasts`` (wgrads read x^T cast in the backward: down_proj's, from the SwiGLU's operands
-through te_v2's fused kernel) train bitwise as without them, over steps whose delayed scales
-move, with the same GEMMs."""
+through te_v2's fused kernel), and ``recast_batches`` (consecutive weight recasts as one TE
+multi-tensor cast) train bitwise as without them, over steps whose delayed scales move, with the
+same GEMMs."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import thunder
 import torch
 
 from te_v2_executor import explain
+from te_v2_executor.symbols import RECAST_WEIGHTS
 from tests.gpu.common import DTYPE, delayed_recipe, requires_te_gpu, te_v2_claiming_all, train_step_gemms
 from tests.helpers import assert_trained_alike, train_steps
 from tests.models import LlamaLikeBlock, LoRAStack, Stack, every_even
@@ -35,13 +37,30 @@ MODELS = {
     "block": lambda: LlamaLikeBlock(DIM),
     "frozen-block": lambda: LlamaLikeBlock(DIM, frozen=("q", "k", "v", "gate", "up")),
 }
-# each pass, the models it changes, and the report's sign that it acted on a linear
+
+
+def _reported(sign):
+    """Whether the report shows ``sign`` on any linear of a compiled function."""
+    return lambda jitted: any(map(sign, explain(jitted).linears))
+
+
+def _batched_recasts(jitted) -> bool:
+    return any(b.sym is RECAST_WEIGHTS for b in thunder.last_backward_traces(jitted)[-1].bound_symbols)
+
+
+# each pass, the models and recipes it changes, and its sign that it acted on a compiled function
 PASSES = {
-    "weight_recasts": (("stack", "lora"), lambda r: r.recasts_weight_t and not r.saves_weight_t),
-    "shared_inputs": (("block", "frozen-block"), lambda r: r.shares_input),
-    "input_recasts": (("block",), lambda r: r.recasts_input_t and not r.saves_input_t),
+    "weight_recasts": (
+        ("stack", "lora"),
+        RECIPES,
+        _reported(lambda r: r.recasts_weight_t and not r.saves_weight_t),
+    ),
+    "shared_inputs": (("block", "frozen-block"), RECIPES, _reported(lambda r: r.shares_input)),
+    "input_recasts": (("block",), RECIPES, _reported(lambda r: r.recasts_input_t and not r.saves_input_t)),
+    # delayed scaling's recasts only: a stateless recipe's have no snapshot to batch by
+    "recast_batches": (("stack", "block"), ("delayed",), _batched_recasts),
 }
-CASES = [(p, m) for p, (models, _) in PASSES.items() for m in models]
+CASES = [(p, m, r) for p, (models, recipes, _) in PASSES.items() for m in models for r in recipes]
 
 
 def _train(model, recipe, skip):
@@ -55,8 +74,7 @@ def _train(model, recipe, skip):
     return jitted, torch.stack(losses), [x.grad for x in xs]
 
 
-@pytest.mark.parametrize("recipe", RECIPES)
-@pytest.mark.parametrize(("pass_name", "name"), CASES)
+@pytest.mark.parametrize(("pass_name", "name", "recipe"), CASES)
 def test_a_pass_trains_bitwise_as_without_it(pass_name, name, recipe):
     model = MODELS[name]().to(device="cuda", dtype=DTYPE)
     twin = copy.deepcopy(model)
@@ -66,9 +84,9 @@ def test_a_pass_trains_bitwise_as_without_it(pass_name, name, recipe):
     apart_run = _train(twin, RECIPES[recipe](), (*base, pass_name))
     jitted, apart = run[0], apart_run[0]
 
-    acted = PASSES[pass_name][1]
-    assert any(map(acted, explain(jitted).linears))
-    assert not any(map(acted, explain(apart).linears))
+    acted = PASSES[pass_name][2]
+    assert acted(jitted)
+    assert not acted(apart)
     assert_trained_alike(model, twin, run, apart_run)
 
     x = torch.randn(TOKENS, DIM, device="cuda", dtype=DTYPE, requires_grad=True)
@@ -84,3 +102,6 @@ def test_a_pass_trains_bitwise_as_without_it(pass_name, name, recipe):
             if recipe == "delayed"
             else len(kernels) < len(apart_kernels)
         )
+    if pass_name == "recast_batches":
+        print(f"{name} {recipe}: kernels per step {len(kernels)} batched, {len(apart_kernels)} apart")
+        assert len(kernels) < len(apart_kernels)
