@@ -9,7 +9,7 @@ recast was and waits for what that one waited for, so the copies of the later on
 there to their dgrads: at most ``BATCH_BYTES`` more than one at a time.
 
 Only delayed-scaling recasts are batched (their scales come from the forward sync's snapshot,
-``replay``); those of one batch share recipe, weight dtype and device, and no write into a weight
+``replay``); those of one batch share recipe, backend, weight dtype and device, and no write into a weight
 lies between its recast's place and the batch's.
 """
 
@@ -31,9 +31,10 @@ BATCH_BYTES = 64 << 20
 
 
 def _key(recast: BoundSymbol) -> tuple[Any, ...]:
-    """What the recasts of one batch share: recipe, snapshot, dtype and device of the weight."""
-    w = arg(recast, "w")
-    return (recast.kwargs["state"].recipe, arg(recast, "replay").name, w.dtype, w.device)
+    """What the recasts of one batch share: recipe, backend, snapshot, dtype and device of the
+    weight."""
+    w, state = arg(recast, "w"), recast.kwargs["state"]
+    return (state.recipe, state.backend, arg(recast, "replay").name, w.dtype, w.device)
 
 
 def _batchable(recast: BoundSymbol, consumers: Any) -> bool:
