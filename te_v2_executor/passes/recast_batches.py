@@ -6,11 +6,13 @@ the GPU waits for, and the backward makes a recast per dgrad of a parameter (``w
 seven a Llama layer. One call to TE's multi-tensor cast makes them all, in one kernel under delayed
 scaling, with bitwise the copies each recast would have made. A batch is made where its first
 recast was and waits for what that one waited for, so the copies of the later ones live from
-there to their dgrads: at most ``BATCH_BYTES`` more than one at a time.
+there to their dgrads: at most ``BATCH_BYTES`` more than one at a time (and, for the moment of
+the call, the row-wise halves TE's cast writes beside them on Hopper, as large again). Runs
+follow the trace, not the layers: one continues across a layer boundary while it fits.
 
 Only delayed-scaling recasts are batched (their scales come from the forward sync's snapshot,
-``replay``); those of one batch share recipe, backend, weight dtype and device, and no write into a weight
-lies between its recast's place and the batch's.
+``replay``); those of one batch share recipe, backend, weight dtype and device, each casts for a
+state of its own, and no write into a weight lies between its recast's place and the batch's.
 """
 
 from __future__ import annotations
@@ -50,7 +52,9 @@ def _batchable(recast: BoundSymbol, consumers: Any) -> bool:
 
 def _batches(trace: TraceCtx) -> list[list[BoundSymbol]]:
     """The runs of batchable recasts, in trace order, each within ``BATCH_BYTES`` and one key,
-    each recast's weight unchanged between the run's first recast and its own."""
+    each recast's weight unchanged between the run's first recast and its own, and each state
+    once (a state rescales one replay scaling per cast: two of its casts in one call would both
+    take the second's scale)."""
     consumers, writes = utils.consumers(trace), Writes(trace)
     runs: list[list[BoundSymbol]] = []
     size = 0
@@ -64,6 +68,7 @@ def _batches(trace: TraceCtx) -> list[list[BoundSymbol]]:
             or size + nbytes > BATCH_BYTES
             or _key(run[0]) != _key(bsym)
             or not writes.unchanged(w, writes.position(run[0]), writes.position(bsym))
+            or any(r.kwargs["state"] is bsym.kwargs["state"] for r in run)
         ):
             runs.append([bsym])
             size = nbytes

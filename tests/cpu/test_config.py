@@ -70,4 +70,5 @@ def test_the_optional_passes_are_the_folds():
         "activation_handback",
         "widenings",
         "input_recasts",
+        "recast_batches",
     )

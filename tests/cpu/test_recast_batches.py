@@ -9,7 +9,16 @@ import thunder
 import torch
 from thunder.executors.torch_compile import torch_compile_ex
 
-from te_v2_executor import current_scaling, delayed_scaling, explain, make_te_v2, thunderfx
+from te_v2_executor import (
+    Backend,
+    TEv2Config,
+    TEv2Executor,
+    current_scaling,
+    delayed_scaling,
+    explain,
+    make_te_v2,
+    thunderfx,
+)
 from te_v2_executor.compiled import compiled_functions
 from te_v2_executor.passes import recast_batches
 from te_v2_executor.symbols import LINEAR_DGRAD, QUANTIZE_GRAD_OUTPUT, RECAST_WEIGHTS, is_recast
@@ -66,3 +75,27 @@ def test_recasts_of_stateless_recipes_stay_apart():
     order = _backward(Stack([DIM] * 5), current_scaling())
     assert not any(b.sym is RECAST_WEIGHTS for b in order)
     assert sum(map(is_recast, order)) == 4
+
+
+class _Recording(TEv2Executor):
+    """te_v2 that keeps the joint trace its fusion pass returns."""
+
+    def fusion_pass(self, trace):
+        self.returned = super().fusion_pass(trace)
+        return self.returned
+
+
+def test_a_batch_casts_once_per_state():
+    """Two recasts of one state (the joint trace with ``recast_batches`` skipped, its first recast
+    repeated after its second) go to two batches: the state's replay scaling is rescaled per cast."""
+    config = TEv2Config(backend=Backend.REFERENCE, claim=CLAIM_ALL, skip_passes=frozenset({"recast_batches"}))
+    te_v2 = _Recording(config, name="te_v2_recorded")
+    jitted = thunder.jit(Stack([DIM] * 5), executors=[te_v2])
+    jitted(torch.randn(TOKENS, DIM, requires_grad=True)).sum().backward()
+    trace = te_v2.returned
+    bsyms = list(trace.bound_symbols)
+    at = [i for i, b in enumerate(bsyms) if is_recast(b)]
+    assert len(at) == 4
+    bsyms.insert(at[1] + 1, bsyms[at[0]])
+    trace.bound_symbols = bsyms
+    assert [len(run) for run in recast_batches._batches(trace)] == [2, 3]
