@@ -28,12 +28,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any, NamedTuple
+from unittest import mock
 
+import thunder.transforms.cudagraph
 import torch
 from thunder.core import prims
 from thunder.core.proxies import ProxyTag
 from thunder.core.symbol import BoundSymbol
 from thunder.core.trace import TraceCtx
+from thunder.executors.data_dependent_partition import consecutive_fusion
 from thunder.transforms.cudagraph import CUDAGraphRunner, CUDAGraphTransform
 from torch.utils._pytree import tree_leaves
 
@@ -60,16 +63,30 @@ class TEv2CUDAGraphTransform(CUDAGraphTransform):
         return super().can_fuse(bsym)
 
     def transform_trace_post_optimization(self, trace: TraceCtx, **kwargs) -> TraceCtx:
-        """Fuses ``trace`` into graphs; a backward's saved tensors that the forward's graphs keep
-        at fixed addresses are read in place rather than copied.
+        """Fuses ``trace`` into graphs, each a run of consecutive symbols it can capture; a
+        backward's saved tensors that the forward's graphs keep at fixed addresses are read in
+        place rather than copied.
+
+        Thunder's transform groups symbols by the fusion the compile options name, and
+        ``thunderfx`` names dataflow fusion, which never groups a symbol autodiff tagged as the
+        backward's (te_v2's) with one it did not (a fusion region): a Llama's backward became a
+        graph per run of either, each with a memory pool and input copies of its own, kept between
+        steps. A graph needs no reordering, so this groups consecutive symbols: one graph between
+        two symbols that stay out.
 
         Thunder's transform finds the saved tensors at fixed positions of the backward trace,
         which hold for ``thunder.jit``'s traces but not for every region ``thunderfx`` makes; this
         finds them by name. Where they cannot be matched to the forward's, every saved tensor is
         copied into the graph's own buffers, which is slower but never reads a stale address.
         """
-        if trace.siginfo().name != "backward_fn":
-            return super().transform_trace_post_optimization(trace, **kwargs)
+        with mock.patch.object(thunder.transforms.cudagraph, "fuse_bound_symbols", consecutive_fusion):
+            if trace.siginfo().name != "backward_fn":
+                return super().transform_trace_post_optimization(trace, **kwargs)
+            return self._backward_graphs(trace, **kwargs)
+
+    def _backward_graphs(self, trace: TraceCtx, **kwargs) -> TraceCtx:
+        """The backward's graphs, its saved tensors the forward's graphs hold tagged as read in
+        place."""
         static = self.outputs_from_forward
         self.outputs_from_forward = None
         saved = _saved_tensors(trace)

@@ -16,11 +16,12 @@ from thunder.core.proxies import ProxyTag
 from thunder.core.trace import from_trace
 from thunder.transforms.cudagraph import CUDAGraphRunner, CUDAGraphTransform
 
-from te_v2_executor import TEv2CUDAGraphTransform, make_te_v2
+from te_v2_executor import TEv2CUDAGraphTransform, make_te_v2, thunderfx
 from te_v2_executor.cuda_graphs import _saved_tensors
+from te_v2_executor.inductor import inductor_ex
 from te_v2_executor.symbols import BACKWARD_SYNC, FORWARD_SYNC, LINEAR_FWD, arg
 from tests.helpers import CLAIM_ALL, backward_trace, forward_trace
-from tests.models import Checkpointed, LoRAStack
+from tests.models import Checkpointed, LoRAStack, tiny_llama
 
 DIM, TOKENS = 64, 32
 _OUTSIDE = {prims.PrimIDs.UNPACK_TRIVIAL, prims.PrimIDs.UNPACK_SEQUENCE, prims.PrimIDs.RETURN}
@@ -111,14 +112,37 @@ def test_a_backwards_saved_tensors_are_found_by_name():
     assert tagged == static and any(tagged)
 
 
+def _capture(self, fn, args, static_args_mask):
+    """A "capture" that calls ``fn`` once, whose "replay" does nothing and returns what that call
+    returned, as a graph returns its static outputs."""
+    return SimpleNamespace(replay=lambda: None), tuple(args), fn(*args)
+
+
+def test_thunderfx_makes_one_graph_of_each_trace_but_the_flushes(monkeypatch):
+    """thunderfx asks for Thunder's dataflow fusion, which never groups a symbol tagged as the
+    backward's (te_v2's) with one that is not (a fusion region): a Llama's backward was one graph
+    per run of either, each with its own pool and copies of its inputs (70 GiB above the model at
+    1B under LoRA). The graphs compute what the same step without them does."""
+    monkeypatch.setattr(CUDAGraphRunner, "build_cuda_graph", _capture)
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    grads = []
+    for transforms in ([], [TEv2CUDAGraphTransform()]):
+        model = tiny_llama(32, torch.float32)
+        te_v2 = make_te_v2(backend="reference", claim=CLAIM_ALL)
+        compiled = thunderfx(model, executors=[te_v2, inductor_ex], transforms=transforms)
+        compiled(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+        grads.append([p.grad for p in model.parameters()])
+    (fwd,), (bwd,) = compiled.last_traces, compiled.last_backward_traces
+    for trace, sync in ((fwd, FORWARD_SYNC), (bwd, BACKWARD_SYNC)):
+        graphs = [b for b in trace.bound_symbols if b.sym.name.startswith("CUDAGraph")]
+        assert len(graphs) == 1 and _top_level_work(trace) == [sync]
+    for without, with_graphs in zip(*grads, strict=True):
+        assert torch.equal(with_graphs, without)
+
+
 def _runner_replaying(monkeypatch, fn, in_place: tuple[bool, ...], names: list[str]):
-    """te_v2's graph runner with ``fn`` registered as CUDAGraph1, "captured" by calling it once
-    and "replayed" by returning what it returned then, as a graph returns its static outputs."""
-
-    def capture(self, fn, args, static_args_mask):
-        return SimpleNamespace(replay=lambda: None), tuple(args), fn(*args)
-
-    monkeypatch.setattr(CUDAGraphRunner, "build_cuda_graph", capture)
+    """te_v2's graph runner with ``fn`` registered as CUDAGraph1, "captured" by ``_capture``."""
+    monkeypatch.setattr(CUDAGraphRunner, "build_cuda_graph", _capture)
     runner = TEv2CUDAGraphTransform().cuda_graph_runner
     runner.python_callables["CUDAGraph1"] = (fn, in_place)
     runner.trace_symbols["CUDAGraph1"] = ([], [SimpleNamespace(name=n) for n in names], [])
