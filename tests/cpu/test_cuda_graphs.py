@@ -118,15 +118,25 @@ def _capture(self, fn, args, static_args_mask):
     return SimpleNamespace(replay=lambda: None), tuple(args), fn(*args)
 
 
-def test_thunderfx_makes_one_graph_of_each_trace_but_the_flushes(monkeypatch):
+@pytest.fixture
+def dynamo_reset_after():
+    """Dynamo's cache emptied after the test: a later compile of the same model class on other
+    shapes would trace with dynamic ones."""
+    yield
+    torch._dynamo.reset()
+
+
+def test_thunderfx_makes_one_graph_of_each_trace_but_the_flushes(monkeypatch, dynamo_reset_after):
     """thunderfx asks for Thunder's dataflow fusion, which never groups a symbol tagged as the
     backward's (te_v2's) with one that is not (a fusion region): a Llama's backward was one graph
     per run of either, each with its own pool and copies of its inputs (70 GiB above the model at
-    1B under LoRA). The graphs compute what the same step without them does."""
+    1B under LoRA). The graphs compute what the same step without them does. Each compile starts
+    with no Dynamo cache."""
     monkeypatch.setattr(CUDAGraphRunner, "build_cuda_graph", _capture)
     ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
     grads = []
     for transforms in ([], [TEv2CUDAGraphTransform()]):
+        torch._dynamo.reset()
         model = tiny_llama(32, torch.float32)
         te_v2 = make_te_v2(backend="reference", claim=CLAIM_ALL)
         compiled = thunderfx(model, executors=[te_v2, inductor_ex], transforms=transforms)
