@@ -20,6 +20,12 @@ the first one's backward) with its "modified by an inplace operation" error, whe
 otherwise compute a wrong gradient without a word. And a replay that finds a tensor it reads in
 place (a parameter) moved to other memory since the capture raises, naming it.
 
+A graph reads the tensors it does not read in place (inputs, buffers) from copies it makes on
+each call, so a write into one (``x.mul_(2)``, a running statistic's ``add_``) would reach only
+the copy: each replay copies what the graph wrote back into the caller's tensor. And the warm-up
+calls before a capture write into what the graph reads in place (a buffer ``thunder.jit`` passes
+as it is), which gets its values back before the first replay, so each step writes once.
+
     jitted = thunder.jit(model, executors=[te_v2, torch_compile_ex], transforms=[TEv2CUDAGraphTransform()])
     compiled = thunderfx(model, executors=executors(), transforms=[TEv2CUDAGraphTransform()])
 """
@@ -33,13 +39,15 @@ from unittest import mock
 import thunder.transforms.cudagraph
 import torch
 from thunder.core import prims
-from thunder.core.proxies import ProxyTag
+from thunder.core.proxies import ProxyTag, TensorProxy
 from thunder.core.symbol import BoundSymbol
-from thunder.core.trace import TraceCtx
+from thunder.core.trace import TraceCtx, from_trace
 from thunder.executors.data_dependent_partition import consecutive_fusion
+from thunder.executors.utils import Region
 from thunder.transforms.cudagraph import CUDAGraphRunner, CUDAGraphTransform
 from torch.utils._pytree import tree_leaves
 
+from te_v2_executor.passes._writes import Writes, written_tensor
 from te_v2_executor.symbols import LINEAR_FWD, SYNC_SYMBOLS, arg
 
 
@@ -56,6 +64,23 @@ class TEv2CUDAGraphTransform(CUDAGraphTransform):
     def __init__(self, *, share_mem_pool: bool = False) -> None:
         super().__init__(share_mem_pool=share_mem_pool)
         self.cuda_graph_runner = _CheckedRunner(share_mem_pool=share_mem_pool)
+        self._writes: Writes | None = None
+
+    def fuse(self, region: Region, fusion_counter: int) -> BoundSymbol:
+        """Thunder's graph of ``region``, whose runner is told which of its arguments the graph
+        writes into where the caller sees it: an input of the trace, or what may share its
+        storage."""
+        writes = self._writes
+        written = {
+            writes.root(t) for b in _unfused(region.bound_symbols) if (t := written_tensor(b)) is not None
+        }
+        fused = super().fuse(region, fusion_counter)
+        self.cuda_graph_runner.written_arguments[fused.sym.name] = tuple(
+            i
+            for i, p in enumerate(fused.args)
+            if isinstance(p, TensorProxy) and writes.root(p) in written and not writes.made_here(p)
+        )
+        return fused
 
     def can_fuse(self, bsym: BoundSymbol) -> bool:
         if bsym.sym in SYNC_SYMBOLS or (bsym.sym is LINEAR_FWD and arg(bsym, "replay") is not None):
@@ -79,6 +104,9 @@ class TEv2CUDAGraphTransform(CUDAGraphTransform):
         finds them by name. Where they cannot be matched to the forward's, every saved tensor is
         copied into the graph's own buffers, which is slower but never reads a stale address.
         """
+        unfused = from_trace(trace)
+        unfused.bound_symbols = _unfused(trace.bound_symbols)
+        self._writes = Writes(unfused)
         with mock.patch.object(thunder.transforms.cudagraph, "fuse_bound_symbols", consecutive_fusion):
             if trace.siginfo().name != "backward_fn":
                 return super().transform_trace_post_optimization(trace, **kwargs)
@@ -99,13 +127,14 @@ class TEv2CUDAGraphTransform(CUDAGraphTransform):
 
 class _Replayed(NamedTuple):
     """What a captured graph reads in place and writes: its in-place arguments, each with its
-    position and its address at capture, and its outputs that no argument shares storage with.
-    ``outputs``, the graph's static outputs, is held so that its ``id``, the runner's key for this
-    entry, stays its own."""
+    position and its address at capture, its outputs that no argument shares storage with, and
+    the buffers of its arguments by position. ``outputs``, the graph's static outputs, is held so
+    that its ``id``, the runner's key for this entry, stays its own."""
 
     outputs: Any
     fixed: list[tuple[int, torch.Tensor, int]]
     written: list[torch.Tensor]
+    inputs: tuple[Any, ...]
 
 
 class _CheckedRunner(CUDAGraphRunner):
@@ -120,14 +149,26 @@ class _CheckedRunner(CUDAGraphRunner):
     bumped, except those that share storage with an argument the graph reads in place (a
     parameter, or a view of one): those are not the graph's to mark, and marking them would make
     autograd refuse a weight another function saved, a tied embedding's for one.
+
+    Of the arguments a graph writes into (``written_arguments``, by graph and position), one it
+    reads from a copy is written back from the copy after each replay, and one it reads in place
+    (a buffer ``thunder.jit`` passes as it is) gets back the values it had before the capture,
+    whose warm-up calls wrote into it.
     """
 
     def __init__(self, *, share_mem_pool: bool = False) -> None:
         super().__init__(share_mem_pool=share_mem_pool)
         self.replayed: dict[int, _Replayed] = {}
+        self.written_arguments: dict[str, tuple[int, ...]] = {}
 
     def build_cuda_graph(self, fn: Callable, args: list[Any], static_args_mask: tuple[bool, ...]) -> tuple:
-        built = super().build_cuda_graph(fn, args, static_args_mask)
+        name = next(name for name, (callable_, _) in self.python_callables.items() if callable_ is fn)
+        in_place_writes = [i for i in self.written_arguments.get(name, ()) if static_args_mask[i]]
+        with torch.no_grad():
+            values = [args[i].clone() for i in in_place_writes]
+            built = super().build_cuda_graph(fn, args, static_args_mask)
+            for i, value in zip(in_place_writes, values, strict=True):
+                args[i].copy_(value)
         outputs = built[2]
         in_place = (i for i, static in enumerate(static_args_mask) if static)
         fixed = [(i, args[i], at) for i in in_place if (at := _address(args[i])) is not None]
@@ -137,7 +178,7 @@ class _CheckedRunner(CUDAGraphRunner):
             for t in tree_leaves(outputs)
             if isinstance(t, torch.Tensor) and not t.is_inference() and _address(t, storage=True) not in read
         ]
-        self.replayed[id(outputs)] = _Replayed(outputs, fixed, written)
+        self.replayed[id(outputs)] = _Replayed(outputs, fixed, written, built[1])
         return built
 
     def call_cuda_graph(self, fn_name: str, *args: Any) -> Any:
@@ -154,6 +195,10 @@ class _CheckedRunner(CUDAGraphRunner):
                     "Leave TEv2CUDAGraphTransform out where parameters move between steps."
                 )
         torch.autograd.graph.increment_version(replayed.written)
+        with torch.no_grad():
+            for i in self.written_arguments.get(fn_name, ()):
+                if replayed.inputs[i] is not args[i]:
+                    args[i].copy_(replayed.inputs[i])
         return outputs
 
 
@@ -166,6 +211,11 @@ def _address(t: Any, *, storage: bool = False) -> int | None:
         return t.untyped_storage().data_ptr() if storage else t.data_ptr()
     except (RuntimeError, NotImplementedError):
         return None
+
+
+def _unfused(bsyms: list[BoundSymbol]) -> list[BoundSymbol]:
+    """``bsyms`` with each fusion's symbols in its place, where ``Writes`` sees what they write."""
+    return [s for b in bsyms for s in (_unfused(b.subsymbols) if b.sym.is_fusion else [b])]
 
 
 def _unpacked(trace: TraceCtx, name: str) -> BoundSymbol | None:

@@ -150,6 +150,59 @@ def test_thunderfx_makes_one_graph_of_each_trace_but_the_flushes(monkeypatch, dy
         assert torch.equal(with_graphs, without)
 
 
+def _capture_copying(self, fn, args, static_args_mask):
+    """A "capture" closer to a real one for a first call: it runs ``fn`` on the arguments it reads
+    in place and on the runner's copies of the others, as the warm-up calls before a real capture
+    do, and its "replay" runs ``fn`` there again (the first step's outputs are the same)."""
+    static = tuple(
+        a if in_place else self.get_static_buffer(a)
+        for a, in_place in zip(args, static_args_mask, strict=True)
+    )
+    return SimpleNamespace(replay=lambda: fn(*static)), static, fn(*static)
+
+
+class _WritesItsInputs(torch.nn.Module):
+    """A LoRA linear whose forward halves its input in place and counts its calls in a buffer."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.base = torch.nn.Linear(dim, dim, bias=False).requires_grad_(False)
+        self.a = torch.nn.Linear(dim, 16, bias=False)
+        self.b = torch.nn.Linear(16, dim, bias=False)
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls.add_(1)
+        y = self.base(x)
+        x.mul_(0.5)
+        return y + self.b(self.a(x))
+
+
+@pytest.mark.parametrize("compile_with", ["thunder.jit", "thunderfx"])
+def test_a_graphs_writes_into_its_inputs_reach_the_callers_tensors(
+    monkeypatch, compile_with, dynamo_reset_after
+):
+    """A graph reads an input, or a buffer thunderfx passes, from a copy of it: a write into it
+    (``x.mul_``, the buffer's ``add_``) is copied back after each replay. One it reads in place
+    (a buffer thunder.jit passes) gets back the values it had before the warm-up calls."""
+    monkeypatch.setattr(CUDAGraphRunner, "build_cuda_graph", _capture_copying)
+    runs = []
+    for transforms in ([], [TEv2CUDAGraphTransform()]):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = _WritesItsInputs(DIM)
+        te_v2 = make_te_v2(backend="reference", claim=CLAIM_ALL)
+        compile_ = thunder.jit if compile_with == "thunder.jit" else thunderfx
+        compiled = compile_(model, executors=[te_v2, inductor_ex], transforms=transforms)
+        x = torch.randn(TOKENS, DIM)
+        loss = compiled(x).square().mean()
+        loss.backward()
+        runs.append([loss, x, model.calls, *(p.grad for p in model.parameters() if p.grad is not None)])
+    assert float(runs[1][2]) == 1
+    for without, with_graphs in zip(*runs, strict=True):
+        assert torch.equal(with_graphs, without)
+
+
 def _runner_replaying(monkeypatch, fn, in_place: tuple[bool, ...], names: list[str]):
     """te_v2's graph runner with ``fn`` registered as CUDAGraph1, "captured" by ``_capture``."""
     monkeypatch.setattr(CUDAGraphRunner, "build_cuda_graph", _capture)
