@@ -43,7 +43,6 @@ from thunder.core.proxies import ProxyTag, TensorProxy
 from thunder.core.symbol import BoundSymbol
 from thunder.core.trace import TraceCtx, from_trace
 from thunder.executors.data_dependent_partition import consecutive_fusion
-from thunder.executors.utils import Region
 from thunder.transforms.cudagraph import CUDAGraphRunner, CUDAGraphTransform
 from torch.utils._pytree import tree_leaves
 
@@ -64,23 +63,6 @@ class TEv2CUDAGraphTransform(CUDAGraphTransform):
     def __init__(self, *, share_mem_pool: bool = False) -> None:
         super().__init__(share_mem_pool=share_mem_pool)
         self.cuda_graph_runner = _CheckedRunner(share_mem_pool=share_mem_pool)
-        self._writes: Writes | None = None
-
-    def fuse(self, region: Region, fusion_counter: int) -> BoundSymbol:
-        """Thunder's graph of ``region``, whose runner is told which of its arguments the graph
-        writes into where the caller sees it: an input of the trace, or what may share its
-        storage."""
-        writes = self._writes
-        written = {
-            writes.root(t) for b in _unfused(region.bound_symbols) if (t := written_tensor(b)) is not None
-        }
-        fused = super().fuse(region, fusion_counter)
-        self.cuda_graph_runner.written_arguments[fused.sym.name] = tuple(
-            i
-            for i, p in enumerate(fused.args)
-            if isinstance(p, TensorProxy) and writes.root(p) in written and not writes.made_here(p)
-        )
-        return fused
 
     def can_fuse(self, bsym: BoundSymbol) -> bool:
         if bsym.sym in SYNC_SYMBOLS or (bsym.sym is LINEAR_FWD and arg(bsym, "replay") is not None):
@@ -106,11 +88,29 @@ class TEv2CUDAGraphTransform(CUDAGraphTransform):
         """
         unfused = from_trace(trace)
         unfused.bound_symbols = _unfused(trace.bound_symbols)
-        self._writes = Writes(unfused)
         with mock.patch.object(thunder.transforms.cudagraph, "fuse_bound_symbols", consecutive_fusion):
             if trace.siginfo().name != "backward_fn":
-                return super().transform_trace_post_optimization(trace, **kwargs)
-            return self._backward_graphs(trace, **kwargs)
+                fused = super().transform_trace_post_optimization(trace, **kwargs)
+            else:
+                fused = self._backward_graphs(trace, **kwargs)
+        self._tell_written_arguments(fused, Writes(unfused))
+        return fused
+
+    def _tell_written_arguments(self, fused: TraceCtx, writes: Writes) -> None:
+        """Tells the runner which arguments each of ``fused``'s graphs writes into where the caller
+        sees it: an input of the trace, or what may share its storage (``writes`` is over the
+        trace before fusion, fusions unfolded)."""
+        for bsym in fused.bound_symbols:
+            if bsym.sym.executor is not self:
+                continue
+            written = {
+                writes.root(t) for b in _unfused(bsym.subsymbols) if (t := written_tensor(b)) is not None
+            }
+            self.cuda_graph_runner.written_arguments[bsym.sym.name] = tuple(
+                i
+                for i, p in enumerate(bsym.args)
+                if isinstance(p, TensorProxy) and writes.root(p) in written and not writes.made_here(p)
+            )
 
     def _backward_graphs(self, trace: TraceCtx, **kwargs) -> TraceCtx:
         """The backward's graphs, its saved tensors the forward's graphs hold tagged as read in
@@ -195,9 +195,11 @@ class _CheckedRunner(CUDAGraphRunner):
                     "Leave TEv2CUDAGraphTransform out where parameters move between steps."
                 )
         torch.autograd.graph.increment_version(replayed.written)
-        with torch.no_grad():
-            for i in self.written_arguments.get(fn_name, ()):
-                if replayed.inputs[i] is not args[i]:
+        if copied_back := [
+            i for i in self.written_arguments.get(fn_name, ()) if replayed.inputs[i] is not args[i]
+        ]:
+            with torch.no_grad():
+                for i in copied_back:
                     args[i].copy_(replayed.inputs[i])
         return outputs
 
