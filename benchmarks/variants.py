@@ -9,7 +9,10 @@ import thunder
 import torch
 
 from benchmarks.models import Blocks, linear_factories
-from te_v2_executor import ClaimPolicy, TEv2CUDAGraphTransform, make_te_v2, te_v2
+from te_v2_executor import ClaimPolicy, TEv2CUDAGraphTransform, executors, make_te_v2, te_v2
+from te_v2_executor.passes import OPTIONAL
+
+DEFAULT_TE_V2 = "te_v2, executors()"  # what README tells users to write
 
 
 @dataclass(frozen=True)
@@ -60,6 +63,7 @@ def variants(*, lora: bool) -> list[Variant]:
             found.append(Variant(f"thunder bf16{suffix}", False, "torch", _thunder(fusers)))
         found.append(Variant(f"builtin TE{suffix}", True, "torch", _builtin(fusers)))
         found.append(Variant(f"te_v2{suffix}", True, "torch", _te_v2(fusers)))
+    found.append(Variant(DEFAULT_TE_V2, True, "torch", lambda m: thunder.jit(m, executors=executors())))
     compile_fusers = _fusers()[" + torch.compile"]
     found.append(
         Variant("te_v2 + torch.compile + CUDA graphs", True, "torch", _te_v2_graphed(compile_fusers))
@@ -78,11 +82,22 @@ def variants(*, lora: bool) -> list[Variant]:
 
 
 def ablations() -> list[Variant]:
-    """Variants that switch one te_v2 optimisation off, for ``benchmarks.interleaved`` only."""
+    """Variants that switch one te_v2 optimisation off (a claim, or an optional pass), for
+    ``benchmarks.interleaved`` only."""
     compile_fusers = _fusers()[" + torch.compile"]
     no_gelu = make_te_v2(claim=ClaimPolicy(gelu=False))
     thunder_adapters = make_te_v2(claim=ClaimPolicy(unquantized=False))
+    without_pass = [
+        Variant(
+            f"te_v2 + torch.compile without {name}",
+            True,
+            "torch",
+            _te_v2(compile_fusers, make_te_v2(skip_passes=[name])),
+        )
+        for name in OPTIONAL
+    ]
     return [
+        *without_pass,
         Variant("te_v2 + torch.compile, GELU not claimed", True, "torch", _te_v2(compile_fusers, no_gelu)),
         Variant(
             "te_v2 + torch.compile, adapters on Thunder",
