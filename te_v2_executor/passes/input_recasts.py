@@ -28,12 +28,14 @@ of two tensors saved anyway, which only this forward reads, the forward multipli
 (``times``), as PyTorch's ``*`` does, and so does the recast: left to a fuser, the product may be
 computed from values it keeps in float32 without the rounding the saved tensor took (Inductor
 drops such round trips). Under CUDA graphs, which would run each recast outside them, every copy
-stays saved.
+stays saved; elsewhere a recast is made only where it lowers the step's peak memory
+(``_peak.py``), as ``weight_recasts`` does.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import compress
 from typing import Any
 
 import thunder.torch as ltorch
@@ -45,6 +47,7 @@ from thunder.core.trace import TraceCtx, tracectx
 from thunder.core.transform_common import dce
 from thunder.extend import FusionExecutor
 
+from te_v2_executor.passes._peak import Saving, peak_needs
 from te_v2_executor.passes._trace import made_in_backward, ordered_read, product, replaced
 from te_v2_executor.passes._writes import Writes, names_as_run, reads_values
 from te_v2_executor.passes.syncs import replaying
@@ -417,7 +420,9 @@ def _recastable(trace: TraceCtx, graphed: bool, fusers: list[FusionExecutor]) ->
             first = min(readers, key=facts.writes.position)
             if (recast := _recast(bsym, first, facts)) is not None:
                 found.append(recast)
-    return found
+    position = facts.writes.position
+    savings = [Saving(_saved_input(r.forward), position(r.forward), position(r.first_reader)) for r in found]
+    return list(compress(found, peak_needs(trace, facts.writes, savings)))
 
 
 def recast_inputs(trace: TraceCtx, fusers: list[FusionExecutor], *, graphed: bool = False) -> TraceCtx:

@@ -20,6 +20,10 @@ write into one may change another, and Thunder's split may move a write of the b
 the forward. A parameter written in place outside the trace between forward and backward makes
 PyTorch's check of saved tensors raise, as in eager mode; one written through ``.data``, which
 that check cannot see, is read with its new values, as eager autograd reads it.
+
+A recast costs a call into TE in the backward, so one is made only where it lowers the step's
+peak memory (``_peak.py``): in a full fine-tune of few tokens the peak is the end of the backward,
+after every saved copy is freed, and no recast is made.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from thunder.core.proxies import AnyProxy, ProxyTag, TensorProxy, variableify
 from thunder.core.symbol import BoundSymbol, BoundSymbolTag
 from thunder.core.trace import TraceCtx, tracectx
 
+from te_v2_executor.passes._peak import Saving, peak_needs
 from te_v2_executor.passes._trace import made_in_backward, replaced
 from te_v2_executor.passes._writes import Writes
 from te_v2_executor.symbols import LINEAR_FWD, arg, in_backward, with_args
@@ -74,8 +79,7 @@ def recast_weights(trace: TraceCtx) -> TraceCtx:
     writes = Writes(trace)
     unpacked = (b.output for b in trace.bound_symbols if b.sym.id is prims.PrimIDs.UNPACK_TRIVIAL)
     last_input_write = writes.last_write(p for p in unpacked if isinstance(p, TensorProxy))
-    swapped: dict[int, BoundSymbol] = {}  # id of a bound symbol -> its replacement
-    inserted: dict[int, list[BoundSymbol]] = {}  # position -> recasts placed before it
+    candidates = []
     for at, bsym in enumerate(trace.bound_symbols):
         if bsym.sym is not LINEAR_FWD or in_backward(bsym) or bsym.output[2] is None:
             continue
@@ -88,10 +92,18 @@ def recast_weights(trace: TraceCtx) -> TraceCtx:
             or at < last_input_write
         ):
             continue
-        first_reader = min(readers, key=writes.position)
+        candidates.append((bsym, readers, min(readers, key=writes.position)))
+    savings = [Saving(b.output[2], writes.position(b), writes.position(first)) for b, _, first in candidates]
+    swapped: dict[int, BoundSymbol] = {}  # id of a bound symbol -> its replacement
+    inserted: dict[int, list[BoundSymbol]] = {}  # position -> recasts placed before it
+    for (bsym, readers, first_reader), needed in zip(
+        candidates, peak_needs(trace, writes, savings), strict=True
+    ):
+        if not needed:
+            continue
         recast = _recast(bsym, trace, made_in_backward(first_reader, producers))
         inserted.setdefault(writes.position(first_reader), []).append(recast)
-        y, x_saved, _, amax_ready = bsym.output
+        y, x_saved, w_saved, amax_ready = bsym.output
         swapped[id(bsym)] = with_args(bsym, save_weight=False, output=(y, x_saved, None, amax_ready))
         swap = {variableify(w_saved): recast.output[2]}
         for reader in readers:  # dgrads, each reading one weight copy

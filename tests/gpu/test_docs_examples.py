@@ -27,7 +27,8 @@ from tests.cpu.test_docs_examples import EXAMPLES, check_example
 from tests.gpu.common import requires_te_gpu
 from tests.helpers import backward_trace, bsyms_of, forward_trace
 
-pytestmark = requires_te_gpu
+# the docs show what users get: only the recasts the peak needs
+pytestmark = [requires_te_gpu, pytest.mark.peak_policy]
 
 
 def _symbols(traces) -> set:
