@@ -28,7 +28,7 @@ from tests.gpu.common import requires_te_gpu
 from tests.helpers import backward_trace, bsyms_of, forward_trace
 
 # the docs show what users get: only the recasts the peak needs
-pytestmark = [requires_te_gpu, pytest.mark.peak_policy]
+pytestmark = [*requires_te_gpu, pytest.mark.peak_policy]
 
 
 def _symbols(traces) -> set:
