@@ -9,8 +9,12 @@ which bounds such a step). So each pass keeps only the recasts the lowest peak n
 
 The estimate walks the joint trace: each storage the trace makes (views counted with their base)
 holds its bytes from the symbol that makes it to its last reader, or to the end where the trace
-returns it; inputs and parameters are alive anyway and not counted. It is of one trace: under
-``thunderfx`` a region does not see the memory of the others.
+returns it; inputs and parameters are alive anyway and not counted. It is an estimate: of one
+trace (under ``thunderfx`` a region does not see the memory of the others), of the trace each
+pass sees (``weight_recasts`` decides before the folds and ``input_recasts``, which move the peak
+a little), without what a recast itself holds while it runs, and with a view that copies counted
+with its base. Where a size is not a number (``cache="symbolic values"``) there is none, and
+every recast is made.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from typing import NamedTuple
 from thunder.core.proxies import TensorProxy
 from thunder.core.trace import TraceCtx
 
+from te_v2_executor.passes._trace import known_numel
 from te_v2_executor.passes._writes import Writes
 
 
@@ -35,8 +40,8 @@ class Saving(NamedTuple):
 
 def _nbytes(p: TensorProxy) -> int | None:
     """The bytes of ``p``, or None where its size is not a number at trace time."""
-    numel = p.numel
-    return numel * p.dtype.bytes if isinstance(numel, int) else None
+    numel = known_numel(p)
+    return None if numel is None else numel * p.dtype.bytes
 
 
 def live_bytes(trace: TraceCtx, writes: Writes) -> list[int] | None:
@@ -71,6 +76,8 @@ def peak_needs(trace: TraceCtx, writes: Writes, savings: Sequence[Saving]) -> li
     """Which of ``savings`` the lowest peak of ``trace`` needs, all of them where the sizes are
     not known: with every saving made, each in turn is given up where its bytes put back over its
     span leave the peak as low."""
+    if not savings:
+        return []
     profile = live_bytes(trace, writes)
     if profile is None:
         return [True] * len(savings)

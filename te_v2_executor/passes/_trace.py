@@ -3,6 +3,7 @@ the elementwise ops they recognise (casts, exact widenings, sole readers)."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -145,6 +146,12 @@ def read_only_by(p: Any, reader: BoundSymbol, consumers: Any) -> bool:
     """Whether ``reader`` is the one bound symbol that reads ``p``."""
     readers = consumers.get(p, [])
     return len(readers) == 1 and readers[0] is reader
+
+
+def known_numel(p: TensorProxy) -> int | None:
+    """The number of elements of ``p``, or None where its shape is not numbers at trace time
+    (``cache="symbolic values"``), where Thunder's ``numel`` raises outside a tracing context."""
+    return math.prod(p.shape) if all(type(d) is int for d in p.shape) else None
 
 
 def dtype(p: Any) -> torch.dtype | None:

@@ -48,7 +48,7 @@ from thunder.core.transform_common import dce
 from thunder.extend import FusionExecutor
 
 from te_v2_executor.passes._peak import Saving, peak_needs
-from te_v2_executor.passes._trace import made_in_backward, ordered_read, product, replaced
+from te_v2_executor.passes._trace import known_numel, made_in_backward, ordered_read, product, replaced
 from te_v2_executor.passes._writes import Writes, names_as_run, reads_values
 from te_v2_executor.passes.syncs import replaying
 from te_v2_executor.symbols import LINEAR_FWD, QUANTIZE_INPUT, SNAPSHOT, arg, in_backward, with_args
@@ -384,7 +384,8 @@ def _recast(bsym: BoundSymbol, first: BoundSymbol, facts: _Facts) -> _Recast | N
     ops = [made for made, _ in found]
     leaves = [leaf for _, made_from in found for leaf in made_from]
     outside = [leaf for leaf in leaves if facts.reachable_from_outside(leaf)]
-    if any(_SNAPSHOT_SHARE * leaf.numel > x.numel for leaf in outside):
+    sizes = [known_numel(p) for p in (x, *outside)]
+    if None in sizes or any(_SNAPSHOT_SHARE * n > sizes[0] for n in sizes[1:]):
         return None
     # What the ops read must be what the forward's read (from the first of them), and, but for the
     # snapshotted inputs, what the backward reads (to the first wgrad).

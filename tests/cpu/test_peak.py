@@ -61,3 +61,24 @@ def test_recasts_where_the_saved_activations_make_the_peak():
     assert _recasts(jitted) == [(False, False), (True, True), (True, True), (False, False)]
     _, saved_grads = _step(twin, tokens=2048, skip=RECASTS)
     assert all(map(torch.equal, grads, saved_grads))
+
+
+def _three_linears(x, a, b, c):
+    return F.linear(F.gelu(F.linear(F.gelu(F.linear(x, a)), b)), c)
+
+
+def test_symbolic_sizes_leave_the_estimate_out():
+    """Under ``cache="symbolic values"`` sizes are not numbers when the passes run, where
+    Thunder's ``numel`` raises outside a tracing context (and the compile with it): no estimate,
+    and the step trains as with saved copies."""
+    weights = [torch.randn(256, 64), torch.randn(64, 256), torch.randn(256, 64)]
+    grads = []
+    for skip in ((), RECASTS):
+        te_v2 = make_te_v2(backend="reference", claim=CLAIM_ALL, skip_passes=skip)
+        jitted = thunder.jit(_three_linears, executors=[te_v2], cache="symbolic values")
+        ws = [w.clone().requires_grad_() for w in weights]
+        torch.manual_seed(1)
+        for tokens in (64, 32):
+            jitted(torch.randn(tokens, 64, requires_grad=True), *ws).sum().backward()
+        grads.append([w.grad for w in ws])
+    assert all(map(torch.equal, *grads))
