@@ -17,8 +17,10 @@ A replay overwrites what the previous replay of the same graph returned. So that
 reads a tensor a later replay overwrote, every replay marks its outputs as written in place:
 autograd then refuses a saved tensor the next forward's replay overwrote (a second forward before
 the first one's backward) with its "modified by an inplace operation" error, where it would
-otherwise compute a wrong gradient without a word. And a replay that finds a tensor it reads in
-place (a parameter) moved to other memory since the capture raises, naming it.
+otherwise compute a wrong gradient without a word. A graph reads its parameters in place: a call
+with other parameters there (a region Dynamo compiled once and calls for every layer whose guards
+match) gets graphs of its own, and a replay that finds a parameter moved to other memory since
+the capture raises, naming it.
 
 A graph reads the tensors it does not read in place (inputs, buffers) from copies it makes on
 each call, so a write into one (``x.mul_(2)``, a running statistic's ``add_``) would reach only
@@ -142,10 +144,12 @@ class _CheckedRunner(CUDAGraphRunner):
     writes.
 
     A graph reads its parameters, and the saved tensors its forward's graphs hold, at the
-    addresses they had when it was captured. A parameter replaced by another tensor is copied
-    into the captured one (Thunder's runner does that), but one whose memory moved (FSDP2
-    unshards parameters into memory it frees again) would be read from memory that holds
-    something else, so a replay that finds one moved raises. Outputs get their version counters
+    addresses they had when it was captured. A call that passes other tensors there (a region
+    Dynamo compiled once and calls for each layer whose guards match, a parameter replaced by
+    another) gets a graph of its own, where Thunder's runner would copy them into the captured
+    ones, overwriting the first layer's weights with the next one's. A tensor whose memory
+    moved (FSDP2 unshards parameters into memory it frees again) would be read from memory that
+    holds something else, so a replay that finds one moved raises. Outputs get their version counters
     bumped, except those that share storage with an argument the graph reads in place (a
     parameter, or a view of one): those are not the graph's to mark, and marking them would make
     autograd refuse a weight another function saved, a tied embedding's for one.
@@ -160,6 +164,12 @@ class _CheckedRunner(CUDAGraphRunner):
         super().__init__(share_mem_pool=share_mem_pool)
         self.replayed: dict[int, _Replayed] = {}
         self.written_arguments: dict[str, tuple[int, ...]] = {}
+
+    def make_cache_key(self, fn_name: str, *args: Any) -> tuple:
+        """Thunder's key (the graph, which arguments it reads in place, the layouts of all), with
+        what each argument read in place is (``_identity``)."""
+        key = super().make_cache_key(fn_name, *args)
+        return (*key, tuple(_identity(a) for a, fixed in zip(args, key[1], strict=True) if fixed))
 
     def build_cuda_graph(self, fn: Callable, args: list[Any], static_args_mask: tuple[bool, ...]) -> tuple:
         name = next(name for name, (callable_, _) in self.python_callables.items() if callable_ is fn)
@@ -213,6 +223,16 @@ def _address(t: Any, *, storage: bool = False) -> int | None:
         return t.untyped_storage().data_ptr() if storage else t.data_ptr()
     except (RuntimeError, NotImplementedError):
         return None
+
+
+def _identity(t: Any) -> int:
+    """What a graph reading ``t`` in place reads: a parameter is itself (so that one whose memory
+    moved finds the graph captured for it, which raises), another tensor its memory (a saved
+    tensor the forward also returned is a new tensor over that memory on each backward), and a
+    tensor with no memory of its own (a wrapper subclass, an FP8 copy) is itself."""
+    if isinstance(t, torch.nn.Parameter):
+        return id(t)
+    return _address(t) or id(t)
 
 
 def _unfused(bsyms: list[BoundSymbol]) -> list[BoundSymbol]:

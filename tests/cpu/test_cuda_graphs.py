@@ -15,6 +15,7 @@ from thunder.core import prims
 from thunder.core.proxies import ProxyTag
 from thunder.core.trace import from_trace
 from thunder.transforms.cudagraph import CUDAGraphRunner, CUDAGraphTransform
+from torch.utils._pytree import tree_leaves
 
 from te_v2_executor import TEv2CUDAGraphTransform, make_te_v2, thunderfx
 from te_v2_executor.cuda_graphs import _saved_tensors
@@ -223,16 +224,93 @@ def test_a_replay_marks_what_it_wrote_and_not_what_it_read(monkeypatch):
 
 
 def test_a_replay_refuses_a_parameter_whose_memory_moved(monkeypatch):
-    """A graph reads its parameters at their addresses at capture. A parameter replaced by another
-    tensor is copied into the captured one; one whose memory moved (FSDP2 unshards into memory it
-    frees again) raises, naming it, rather than being read from stale memory."""
-    weight, x = torch.zeros(4, 4), torch.zeros(4)
+    """A graph reads its parameters at their addresses at capture. Another parameter in their
+    place gets a graph of its own (Thunder's runner copied it into the captured one); one whose
+    memory moved (FSDP2 unshards into memory it frees again) raises, naming it, rather than being
+    read from stale memory."""
+    weight, x = torch.nn.Parameter(torch.zeros(4, 4)), torch.zeros(4)
     runner = _runner_replaying(monkeypatch, lambda w, x: (w @ x,), (True, False), ["t_weight", "x"])
     runner.call_cuda_graph("CUDAGraph1", weight, x)
-    runner.call_cuda_graph("CUDAGraph1", torch.ones(4, 4), torch.ones(4))  # both copied in
-    assert bool((weight == 1).all())
+    (y,) = runner.call_cuda_graph("CUDAGraph1", torch.nn.Parameter(torch.ones(4, 4)), torch.ones(4))
+    assert bool((weight == 0).all()) and bool((y == 4).all())
+    assert len(runner.cuda_graph_cache) == 2
     weight.data = torch.zeros(4, 4)
     with pytest.raises(
         RuntimeError, match="t_weight, which CUDA graph CUDAGraph1 reads in place, is no longer"
     ):
         runner.call_cuda_graph("CUDAGraph1", weight, x)
+
+
+class _BrokenBlock(torch.nn.Module):
+    """A linear and a GELU, then a graph break: Dynamo compiles one region and calls it for every
+    block, each time with that block's weight."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.nn.functional.gelu(self.linear(x))
+        torch._dynamo.graph_break()
+        return y * 2
+
+
+def _capture_rewriting(self, fn, args, static_args_mask):
+    """``_capture_copying`` whose "replay" also writes what ``fn`` returns into the outputs of
+    the "capture", as a graph's replay rewrites its static outputs (one step: an FP8 copy's
+    ``copy_`` does not rewrite its scale)."""
+    graph, static, outputs = _capture_copying(self, fn, args, static_args_mask)
+
+    def replay():
+        with torch.no_grad():
+            for mine, new in zip(tree_leaves(outputs), tree_leaves(graph.replay()), strict=True):
+                if isinstance(mine, torch.Tensor):
+                    mine.copy_(new)
+
+    return SimpleNamespace(replay=replay), static, outputs
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_a_region_called_for_several_layers_gets_a_graph_for_each(monkeypatch, grad, dynamo_reset_after):
+    """Thunder's runner found the first block's graph for every block (same layouts) and copied
+    each block's weight into the first block's, which it then replayed: the first block's weight
+    was overwritten and every output wrong, without a word (under autograd, the second block's
+    replay overwrote the first one's saved tensors, which autograd refused)."""
+    monkeypatch.setattr(CUDAGraphRunner, "build_cuda_graph", _capture_rewriting)
+    runs = []
+    for transforms in ([], [TEv2CUDAGraphTransform()]):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*(_BrokenBlock(DIM) for _ in range(3)))
+        weights = [p.detach().clone() for p in model.parameters()]
+        te_v2 = make_te_v2(backend="reference", claim=CLAIM_ALL)
+        compiled = thunderfx(model, executors=[te_v2, inductor_ex], transforms=transforms)
+        x = torch.randn(TOKENS, DIM, requires_grad=grad)
+        with torch.set_grad_enabled(grad):
+            y = compiled(x)
+        if grad:
+            y.square().mean().backward()
+        assert all(map(torch.equal, model.parameters(), weights))
+        runs.append([y, *((x.grad, *(p.grad for p in model.parameters())) if grad else ())])
+    graphs = [key[0] for key in transforms[0].cuda_graph_runner.cuda_graph_cache]
+    assert graphs.count(graphs[0]) == 3, graphs
+    for without, with_graphs in zip(*runs, strict=True):
+        assert torch.equal(with_graphs, without)
+
+
+def test_each_backward_replays_the_graph_of_the_first(monkeypatch, dynamo_reset_after):
+    """A backward's saved tensors are read where the forward's graph wrote them, and one the
+    forward also returned is a new tensor there on each backward: it finds the graph captured
+    for the first backward."""
+    monkeypatch.setattr(CUDAGraphRunner, "build_cuda_graph", _capture_copying)
+    transform = TEv2CUDAGraphTransform()
+    te_v2 = make_te_v2(backend="reference", claim=CLAIM_ALL)
+    compiled = thunderfx(
+        tiny_llama(32, torch.float32), executors=[te_v2, inductor_ex], transforms=[transform]
+    )
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    counts = []
+    for _ in range(3):
+        compiled(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+        counts.append(len(transform.cuda_graph_runner.cuda_graph_cache))
+    assert counts == [counts[0]] * 3, counts
