@@ -22,8 +22,9 @@ from tests.gpu.common import FP8_TOLS
 
 WORLD = 2
 WRAPPERS = ("thunder_ddp", "fsdp_zero2", "fsdp_zero3", "torch_ddp", "fsdp2")
-SCENARIOS = [f"{w}-{m}" for w in WRAPPERS for m in ("full", "lora")]
 KINDS = ("full", "lora")
+# a Hugging Face Llama's two decoder layers sharded one by one, through one Thunder region
+SCENARIOS = [f"{w}-{m}" for w in WRAPPERS for m in KINDS] + ["fsdp2-llama", "fsdp2-llamafrozen"]
 ROOT = Path(__file__).resolve().parents[2]
 LAUNCH_TIMEOUT_S = 480
 
@@ -45,11 +46,20 @@ DEVICES = [
 # GEMMs one step needs (x needs no grad): full, 3 linears: 3 forward, 3 wgrad, 2 dgrad; LoRA,
 # 2 layers of frozen base + adapters A, B: 6 forward, 4 adapter wgrads, 4 dgrads (B of both,
 # A and base of the second layer), no base wgrad.
-NEEDED_GEMMS = {"full": 3 + 3 + 2, "lora": 6 + 4 + 4}
-LINEARS = {"full": 3, "lora": 6}
+# The Llama: 2 layers of 7 projections and the head, 15 calls, each with its dgrad (the
+# embedding trains); wgrads but for the frozen attention's 2 x 4.
+NEEDED_GEMMS = {"full": 3 + 3 + 2, "lora": 6 + 4 + 4, "llama": 15 * 3, "llamafrozen": 15 * 3 - 8}
+# te_v2 linears the reports list: the Llama's layers share one region
+LINEARS = {"full": 3, "lora": 6, "llama": 8, "llamafrozen": 8}
+FROZEN = {"lora": "base", "llamafrozen": "self_attn"}  # what the names of frozen weights hold
 # amax_history and scale per direction a linear quantizes in: forward for each; backward (dy)
 # for each but the LoRA model's first base, which runs neither dgrad nor wgrad
-QUANT_STATE_TENSORS = {"full": 2 * (3 + 3), "lora": 2 * (6 + 5)}
+QUANT_STATE_TENSORS = {
+    "full": 2 * (3 + 3),
+    "lora": 2 * (6 + 5),
+    "llama": 2 * (8 + 8),
+    "llamafrozen": 2 * (8 + 8),
+}
 
 
 def torchrun(
@@ -196,7 +206,7 @@ def test_frozen_weights_run_no_wgrad_on_any_rank(results, scenario):
         wgrad = {name: wgrad for name, claimed, _, wgrad in r["report"] if claimed}
         assert len(wgrad) == LINEARS[kind], r["report_text"]
         for name, runs in wgrad.items():
-            assert runs is ("base" not in name), (
+            assert runs is (FROZEN.get(kind, "no frozen weight") not in name), (
                 f"{name}: wgrad {'runs' if runs else 'missing'}\n{r['report_text']}"
             )
         if device == "cuda":

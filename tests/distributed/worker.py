@@ -8,7 +8,10 @@ A scenario is ``<wrapper>-<model>``: wrapper ``thunder_ddp``, ``fsdp_zero2``, ``
 ``quantization_update_scope``: with two layers, one Thunder region each; a third layer would reuse
 the second's region, and its delayed-scaling state, docs/usage.md) or ``builtin_ddp`` (Thunder's
 built-in TE executor under ``thunder_ddp``, for contrast); model
-``full`` (every linear trained) or ``lora`` (frozen base, trainable rank-16 adapters). Each
+``full`` (every linear trained), ``lora`` (frozen base, trainable rank-16 adapters), or a
+Hugging Face Llama of two decoder layers mapping token ids to logits, ``llama`` (every linear
+trained) or ``llamafrozen`` (attention projections frozen), whose layers FSDP2 shards one by one
+and whose one Thunder region Dynamo calls for both. Each
 rank trains STEPS SGD steps on its slice of one global batch, after a single-process run of the
 same model on the whole batch, and writes what the tests compare to ``DIR/<scenario>.rank<r>.pt``.
 Scenario ``fsdp2_checkpoint-<model>`` saves a torch.distributed.checkpoint of the sharded model and
@@ -54,6 +57,31 @@ from tests.helpers import CLAIM_ALL
 from tests.models import LoRAStack, Stack
 
 DIM, TOKENS_PER_RANK, STEPS, LR = 256, 128, 5, 1e-3
+# a Llama batch's row is a sequence of token ids; its loss sums the squares of 2 x 128 x 8 x 128
+# logits, which take a smaller step to go down
+LLAMA_HIDDEN, LLAMA_SEQUENCE, LLAMA_LR = 64, 8, 1e-5
+
+
+class LlamaLogits(torch.nn.Module):
+    """A Hugging Face ``LlamaForCausalLM`` as a map from token ids to logits, its decoder layers
+    as ``layers``; ``frozen`` freezes the attention projections."""
+
+    def __init__(self, *, frozen: bool) -> None:
+        super().__init__()
+        from tests.models import tiny_llama
+
+        self.llama = tiny_llama(LLAMA_HIDDEN, torch.float32)
+        for name, p in self.llama.named_parameters():
+            p.requires_grad_(not (frozen and "self_attn" in name))
+
+    @property
+    def layers(self) -> torch.nn.ModuleList:
+        return self.llama.model.layers
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.llama(input_ids=ids, use_cache=False).logits
+
+
 CHECKPOINT_STEPS = 2  # of STEPS, before ``checkpointed`` saves
 
 
@@ -74,7 +102,12 @@ class Run:
         """The same weights on every rank."""
         torch.manual_seed(0)
         dtype = torch.bfloat16 if self.cuda else torch.float32
-        make = {"full": lambda: Stack([DIM] * 4), "lora": lambda: LoRAStack([DIM] * 3, rank=16)}[kind]
+        make = {
+            "full": lambda: Stack([DIM] * 4),
+            "lora": lambda: LoRAStack([DIM] * 3, rank=16),
+            "llama": lambda: LlamaLogits(frozen=False),
+            "llamafrozen": lambda: LlamaLogits(frozen=True),
+        }[kind]
         return make().to(self.device, dtype)
 
     @property
@@ -82,15 +115,19 @@ class Run:
         """This rank's rows of a global batch."""
         return slice(self.rank * TOKENS_PER_RANK, (self.rank + 1) * TOKENS_PER_RANK)
 
-    def global_batch(self, world: int | None = None) -> list[torch.Tensor]:
-        """STEPS global batches, the same on every rank, of a run on ``world`` ranks (this one's
-        when None)."""
+    def global_batch(self, kind: str, world: int | None = None) -> list[torch.Tensor]:
+        """STEPS global batches for the model ``kind``, the same on every rank, of a run on
+        ``world`` ranks (this one's when None)."""
         gen = torch.Generator().manual_seed(1)
+        rows = TOKENS_PER_RANK * (world or self.world)
+        if kind.startswith("llama"):
+            vocab = 2 * LLAMA_HIDDEN
+            return [
+                torch.randint(0, vocab, (rows, LLAMA_SEQUENCE), generator=gen).to(self.device)
+                for _ in range(STEPS)
+            ]
         dtype = torch.bfloat16 if self.cuda else torch.float32
-        return [
-            torch.randn(TOKENS_PER_RANK * (world or self.world), DIM, generator=gen).to(self.device, dtype)
-            for _ in range(STEPS)
-        ]
+        return [torch.randn(rows, DIM, generator=gen).to(self.device, dtype) for _ in range(STEPS)]
 
     def executors(self, builtin: bool = False, *, distributed: bool) -> dict[str, Any]:
         """``thunder.jit`` arguments; the single-process reference reduces no amax."""
@@ -148,15 +185,17 @@ def train(
     distributed: bool,
     scoped: bool = False,
     data_parallel: int | None = None,
+    lr: float = LR,
 ):
     """A step of SGD on ``fn`` per batch; the loss of each, and the amax all-reduces of each. With
     ``scoped``, each step's forward and backward run inside one ``quantization_update_scope``;
-    ``data_parallel``: the ranks the batches were split over, where it is not ``run.world``.
+    ``data_parallel``: the ranks the batches were split over, where it is not ``run.world``;
+    ``lr``: the data-parallel run's learning rate.
 
     The loss sums over tokens, so dy is the same on a rank's slice as in the single-process run
     (a mean would scale it by the world size and quantize it differently); the single-process
     step divides by the world size as the data-parallel gradient averaging does."""
-    lr = LR if distributed else LR / (data_parallel or run.world)
+    lr = lr if distributed else lr / (data_parallel or run.world)
     losses, calls = [], []
     for x in batches:
         run.amax_calls.clear()
@@ -197,8 +236,8 @@ def wrap(wrapper: str, model: torch.nn.Module, run: Run) -> tuple[Callable, Any,
 def fully_sharded(
     model: torch.nn.Module, run: Run, *, per_layer: bool = True
 ) -> tuple[Callable, Any, Callable]:
-    """``model`` with ``fully_shard`` on each LoRA layer (``per_layer``) and on itself, compiled by
-    ``thunderfx``. A ``Stack``'s layers are bare linears, which Dynamo runs outside its graphs once
+    """``model`` with ``fully_shard`` on each layer of a LoRA stack or a Llama (``per_layer``) and
+    on itself, compiled by ``thunderfx``. A ``Stack``'s layers are bare linears, which Dynamo runs outside its graphs once
     they are sharded on their own, so only the whole model is."""
     from thunder.dynamo import thunderfx
     from torch.distributed.device_mesh import init_device_mesh
@@ -270,14 +309,21 @@ def scenario(name: str, run: Run, out: Path) -> None:
         found = (checkpointed if wrapper == "fsdp2_checkpoint" else restored)(kind, run, out)
         torch.save({"rank": run.rank, "world": run.world, **found}, out / f"{name}.rank{run.rank}.pt")
         return
-    batches, mine = run.global_batch(), run.mine
+    batches, mine = run.global_batch(kind), run.mine
+    lr = LLAMA_LR if kind.startswith("llama") else LR
     result: dict[str, Any] = {"rank": run.rank, "world": run.world}
 
     if wrapper != "builtin_ddp":
         reference = run.model(kind)
-        ref_fn = thunder.jit(reference, **run.executors(distributed=False))
+        if kind.startswith("llama"):  # Hugging Face models go through thunderfx
+            from thunder.dynamo import thunderfx
+
+            torch._dynamo.reset()
+            ref_fn = thunderfx(reference, **run.executors(distributed=False))
+        else:
+            ref_fn = thunder.jit(reference, **run.executors(distributed=False))
         result["reference_losses"], _ = train(
-            ref_fn, lambda: list(reference.parameters()), batches, run, distributed=False
+            ref_fn, lambda: list(reference.parameters()), batches, run, distributed=False, lr=lr
         )
         result["reference_weights"] = {n: p.detach().cpu() for n, p in reference.named_parameters()}
 
@@ -285,7 +331,7 @@ def scenario(name: str, run: Run, out: Path) -> None:
     fn, module, params = wrap(wrapper, model, run)
     with run.counting_amax_all_reduces():
         losses, calls = train(
-            fn, params, [x[mine] for x in batches], run, distributed=True, scoped=wrapper == "fsdp2"
+            fn, params, [x[mine] for x in batches], run, distributed=True, scoped=wrapper == "fsdp2", lr=lr
         )
     result["losses"] = summed_over_ranks(losses, run)
     result["amax_all_reduces"] = calls
@@ -310,7 +356,7 @@ def checkpointed(kind: str, run: Run, out: Path) -> dict[str, Any]:
 
     model = run.model(kind)
     fn, module, params = fully_sharded(model, run, per_layer=False)
-    batches = [x[run.mine] for x in run.global_batch()]
+    batches = [x[run.mine] for x in run.global_batch(kind)]
     train(fn, params, batches[:CHECKPOINT_STEPS], run, distributed=True, scoped=True)
     state = {"model": get_model_state_dict(model), "quantization": quantization_state_dict(fn)}
     dcp.save(state, checkpoint_id=out / f"checkpoint-{kind}")
@@ -338,7 +384,7 @@ def restored(kind: str, run: Run, out: Path) -> dict[str, Any]:
     state = {"model": get_model_state_dict(model)}
     dcp.load(state, checkpoint_id=path)
     set_model_state_dict(model, state["model"])
-    batches = run.global_batch(saved["world"])[CHECKPOINT_STEPS:]
+    batches = run.global_batch(kind, saved["world"])[CHECKPOINT_STEPS:]
     with run.fp8(distributed=False):
         fn(batches[0])  # a first call makes the regions, and their states, to load into
     quantization = quantization_state_template(path)
