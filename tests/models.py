@@ -100,6 +100,20 @@ class LoRAStack(nn.Module):
         return x
 
 
+class BrokenBlock(nn.Module):
+    """A linear and a GELU, then a graph break: Dynamo compiles one region for a stack of these
+    and calls it for every block, each time with that block's weight."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = nn.functional.gelu(self.linear(x))
+        torch._dynamo.graph_break()
+        return y * 2
+
+
 class Checkpointed(nn.Module):
     """Four linears; the middle two run under ``torch.utils.checkpoint``."""
 

@@ -22,7 +22,7 @@ from te_v2_executor.cuda_graphs import _saved_tensors
 from te_v2_executor.inductor import inductor_ex
 from te_v2_executor.symbols import BACKWARD_SYNC, FORWARD_SYNC, LINEAR_FWD, arg
 from tests.helpers import CLAIM_ALL, backward_trace, forward_trace
-from tests.models import Checkpointed, LoRAStack, tiny_llama
+from tests.models import BrokenBlock, Checkpointed, LoRAStack, tiny_llama
 
 DIM, TOKENS = 64, 32
 _OUTSIDE = {prims.PrimIDs.UNPACK_TRIVIAL, prims.PrimIDs.UNPACK_SEQUENCE, prims.PrimIDs.RETURN}
@@ -241,20 +241,6 @@ def test_a_replay_refuses_a_parameter_whose_memory_moved(monkeypatch):
         runner.call_cuda_graph("CUDAGraph1", weight, x)
 
 
-class _BrokenBlock(torch.nn.Module):
-    """A linear and a GELU, then a graph break: Dynamo compiles one region and calls it for every
-    block, each time with that block's weight."""
-
-    def __init__(self, dim: int) -> None:
-        super().__init__()
-        self.linear = torch.nn.Linear(dim, dim, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch.nn.functional.gelu(self.linear(x))
-        torch._dynamo.graph_break()
-        return y * 2
-
-
 def _capture_rewriting(self, fn, args, static_args_mask):
     """``_capture_copying`` whose "replay" also writes what ``fn`` returns into the outputs of
     the "capture", as a graph's replay rewrites its static outputs (one step: an FP8 copy's
@@ -281,7 +267,7 @@ def test_a_region_called_for_several_layers_gets_a_graph_for_each(monkeypatch, g
     for transforms in ([], [TEv2CUDAGraphTransform()]):
         torch._dynamo.reset()
         torch.manual_seed(0)
-        model = torch.nn.Sequential(*(_BrokenBlock(DIM) for _ in range(3)))
+        model = torch.nn.Sequential(*(BrokenBlock(DIM) for _ in range(3)))
         weights = [p.detach().clone() for p in model.parameters()]
         te_v2 = make_te_v2(backend="reference", claim=CLAIM_ALL)
         compiled = thunderfx(model, executors=[te_v2, inductor_ex], transforms=transforms)

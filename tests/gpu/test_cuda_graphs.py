@@ -26,7 +26,7 @@ from tests.gpu.common import (
     train_step_gemms,
 )
 from tests.helpers import forward_trace
-from tests.models import LoRAStack, Stack
+from tests.models import BrokenBlock, LoRAStack, Stack
 
 pytestmark = requires_te_gpu
 
@@ -145,6 +145,30 @@ def test_update_scope_holds_back_the_updates_of_graphed_passes():
     _assert_states_equal(te_v2_states(graphed), te_v2_states(plain))
     (fwd, _), *_ = te_v2_states(graphed)
     assert int((fwd.amax_history.abs().sum(1) > 0).sum()) == 3 + 1 + 3  # one update for the scope
+
+
+def test_a_region_called_for_each_layer_replays_each_layers_graphs():
+    """Dynamo compiles one region for three blocks (a graph break in each) and calls it with each
+    block's weight: each block replays graphs of its own, and four steps train bitwise as without
+    graphs (Thunder's runner replayed the first block's graph for all three, copying each block's
+    weight into the first block's)."""
+    from thunder.dynamo import thunderfx
+
+    recipe = delayed_recipe()
+    xs = [torch.randn(TOKENS, DIM, device="cuda", dtype=DTYPE) for _ in range(STEPS)]
+    runs, transform = [], TEv2CUDAGraphTransform()
+    for transforms in ([], [transform]):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*(BrokenBlock(DIM) for _ in range(3))).to("cuda", DTYPE)
+        compiled = thunderfx(model, executors=[te_v2_claiming_all()], transforms=transforms)
+        runs.append(_train(compiled, model, xs, recipe))
+    torch._dynamo.reset()
+    for step, (want, have) in enumerate(zip(*runs, strict=True)):
+        for a, b in zip(want, have, strict=True):
+            torch.testing.assert_close(b, a, rtol=0, atol=0, msg=f"step {step}")
+    names = [key[0] for key in transform.cuda_graph_runner.cuda_graph_cache]
+    assert max(names.count(n) for n in names) == 3, names
 
 
 def test_thunders_own_cuda_graph_transform_is_refused():
