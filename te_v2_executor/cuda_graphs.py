@@ -149,8 +149,8 @@ class _CheckedRunner(CUDAGraphRunner):
     another) gets a graph of its own, where Thunder's runner would copy them into the captured
     ones, overwriting the first layer's weights with the next one's. A tensor whose memory
     moved (FSDP2 unshards parameters into memory it frees again) would be read from memory that
-    holds something else, so a replay that finds one moved raises. Outputs get their version counters
-    bumped, except those that share storage with an argument the graph reads in place (a
+    holds something else, so a replay that finds one moved raises. Outputs get their version
+    counters bumped, except those that share storage with an argument the graph reads in place (a
     parameter, or a view of one): those are not the graph's to mark, and marking them would make
     autograd refuse a weight another function saved, a tied embedding's for one.
 

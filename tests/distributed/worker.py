@@ -54,7 +54,7 @@ from te_v2_executor import (
 )
 from te_v2_executor.compiled import compiled_functions
 from tests.helpers import CLAIM_ALL
-from tests.models import LoRAStack, Stack
+from tests.models import LoRAStack, Stack, tiny_llama
 
 DIM, TOKENS_PER_RANK, STEPS, LR = 256, 128, 5, 1e-3
 # a Llama batch's row is a sequence of token ids; its loss sums the squares of 2 x 128 x 8 x 128
@@ -68,8 +68,6 @@ class LlamaLogits(torch.nn.Module):
 
     def __init__(self, *, frozen: bool) -> None:
         super().__init__()
-        from tests.models import tiny_llama
-
         self.llama = tiny_llama(LLAMA_HIDDEN, torch.float32)
         for name, p in self.llama.named_parameters():
             p.requires_grad_(not (frozen and "self_attn" in name))
@@ -237,8 +235,8 @@ def fully_sharded(
     model: torch.nn.Module, run: Run, *, per_layer: bool = True
 ) -> tuple[Callable, Any, Callable]:
     """``model`` with ``fully_shard`` on each layer of a LoRA stack or a Llama (``per_layer``) and
-    on itself, compiled by ``thunderfx``. A ``Stack``'s layers are bare linears, which Dynamo runs outside its graphs once
-    they are sharded on their own, so only the whole model is."""
+    on itself, compiled by ``thunderfx``. A ``Stack``'s layers are bare linears, which Dynamo runs
+    outside its graphs once they are sharded on their own, so only the whole model is."""
     from thunder.dynamo import thunderfx
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
