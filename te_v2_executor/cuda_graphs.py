@@ -14,10 +14,10 @@ graphs, where each of its casts would run between graphs: the forward keeps the 
 copies.
 
 A replay overwrites what the previous replay of the same graph returned. So that no backward
-reads a tensor a later replay overwrote, every replay marks its outputs as written in place:
-autograd then refuses a saved tensor the next forward's replay overwrote (a second forward before
-the first one's backward) with its "modified by an inplace operation" error, where it would
-otherwise compute a wrong gradient without a word. A graph reads its parameters in place: a call
+reads a tensor a later replay overwrote, every replay marks its outputs (gradients aside, below)
+as written in place: autograd then refuses a saved tensor the next forward's replay overwrote (a
+second forward before the first one's backward) with its "modified by an inplace operation"
+error, where it would otherwise compute a wrong gradient without a word. A graph reads its parameters in place: a call
 with other parameters there (a region Dynamo compiled once and calls for every layer whose guards
 match) gets graphs of its own, and a replay that finds a parameter moved to other memory since
 the capture raises, naming it.
@@ -28,6 +28,13 @@ the copy: each replay copies what the graph wrote back into the caller's tensor.
 calls before a capture write into what the graph reads in place (a buffer ``thunder.jit`` passes
 as it is), which gets its values back before the first replay, so each step writes once.
 
+A backward graph hands its gradients to autograd as tensors over the graph's memory, which
+autograd keeps as ``.grad`` where it would otherwise copy them there: the weight gradients exist
+once, not twice. The next replay of that graph writes into the same memory; where a gradient is
+still in use then (``.grad`` kept for accumulation, a gradient ``torch.autograd.grad`` returned),
+the replay hands out a copy of what it wrote and gives the memory back what it held, so the
+holder reads what it read before. ``copy_gradients=True`` has autograd copy every gradient.
+
     jitted = thunder.jit(model, executors=[te_v2, torch_compile_ex], transforms=[TEv2CUDAGraphTransform()])
     compiled = thunderfx(model, executors=executors(), transforms=[TEv2CUDAGraphTransform()])
 """
@@ -35,7 +42,8 @@ as it is), which gets its values back before the first replay, so each step writ
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from dataclasses import dataclass, field
+from typing import Any
 from unittest import mock
 
 import thunder.transforms.cudagraph
@@ -46,7 +54,7 @@ from thunder.core.symbol import BoundSymbol
 from thunder.core.trace import TraceCtx, from_trace
 from thunder.executors.data_dependent_partition import consecutive_fusion
 from thunder.transforms.cudagraph import CUDAGraphRunner, CUDAGraphTransform
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
 from te_v2_executor.passes._writes import Writes, written_tensor
 from te_v2_executor.symbols import LINEAR_FWD, SYNC_SYMBOLS, arg
@@ -56,15 +64,16 @@ class TEv2CUDAGraphTransform(CUDAGraphTransform):
     """Thunder's CUDA graph transform, keeping te_v2's state flushes and replayed forwards out of
     the graphs.
 
-    As with Thunder's transform, outputs (the forward's result, saved activations, gradients
-    before autograd copies them into ``.grad``) live in the graphs' static buffers and are
-    overwritten by the next replay, and those buffers stay allocated between steps. A backward
-    that would read a saved tensor a later replay overwrote raises instead.
+    As with Thunder's transform, outputs (the forward's result, saved activations, gradients)
+    live in the graphs' static buffers and are overwritten by the next replay, and those buffers
+    stay allocated between steps. A backward that would read a saved tensor a later replay
+    overwrote raises instead. Gradients go to ``.grad`` without a copy, unless ``copy_gradients``.
     """
 
-    def __init__(self, *, share_mem_pool: bool = False) -> None:
+    def __init__(self, *, share_mem_pool: bool = False, copy_gradients: bool = False) -> None:
         super().__init__(share_mem_pool=share_mem_pool)
         self.cuda_graph_runner = _CheckedRunner(share_mem_pool=share_mem_pool)
+        self.copy_gradients = copy_gradients
 
     def can_fuse(self, bsym: BoundSymbol) -> bool:
         if bsym.sym in SYNC_SYMBOLS or (bsym.sym is LINEAR_FWD and arg(bsym, "replay") is not None):
@@ -96,6 +105,10 @@ class TEv2CUDAGraphTransform(CUDAGraphTransform):
             else:
                 fused = self._backward_graphs(trace, **kwargs)
         self._tell_written_arguments(fused, Writes(unfused))
+        if trace.siginfo().name == "backward_fn" and not self.copy_gradients:
+            self.cuda_graph_runner.gradient_graphs.update(
+                b.sym.name for b in fused.bound_symbols if b.sym.executor is self
+            )
         return fused
 
     def _tell_written_arguments(self, fused: TraceCtx, writes: Writes) -> None:
@@ -127,21 +140,34 @@ class TEv2CUDAGraphTransform(CUDAGraphTransform):
         return self.generate_fused_trace(trace, **kwargs)
 
 
-class _Replayed(NamedTuple):
+@dataclass
+class _Replayed:
     """What a captured graph reads in place and writes: its in-place arguments, each with its
-    position and its address at capture, its outputs that no argument shares storage with, and
-    the buffers of its arguments by position. ``outputs``, the graph's static outputs, is held so
-    that its ``id``, the runner's key for this entry, stays its own."""
+    position and its address at capture, its outputs that no argument shares storage with (those
+    it hands over aside), the buffers of its arguments by position, and the outputs it hands to
+    autograd over its memory. ``outputs``, the graph's static outputs, is held so that its
+    ``id``, the runner's key for this entry, stays its own."""
 
     outputs: Any
     fixed: list[tuple[int, torch.Tensor, int]]
     written: list[torch.Tensor]
     inputs: tuple[Any, ...]
+    handed: list[_Handed] = field(default_factory=list)
+
+
+@dataclass
+class _Handed:
+    """One output a backward graph hands to autograd: its position among the outputs' leaves, its
+    storage, and how many references that storage has with nothing handed out."""
+
+    position: int
+    storage: torch.UntypedStorage
+    own: int = 0
 
 
 class _CheckedRunner(CUDAGraphRunner):
-    """Thunder's graph runner, whose replays check what the graph reads in place and mark what it
-    writes.
+    """Thunder's graph runner, whose replays check what the graph reads in place, mark what it
+    writes and hand the gradients to autograd without a copy.
 
     A graph reads its parameters, and the saved tensors its forward's graphs hold, at the
     addresses they had when it was captured. A call that passes other tensors there (a region
@@ -158,12 +184,19 @@ class _CheckedRunner(CUDAGraphRunner):
     reads from a copy is written back from the copy after each replay, and one it reads in place
     (a buffer ``thunder.jit`` passes as it is) gets back the values it had before the capture,
     whose warm-up calls wrote into it.
+
+    The graphs named in ``gradient_graphs`` (backward graphs) return each output that shares
+    storage with nothing else they read or return as a new tensor over the graph's memory, which
+    autograd, seeing no other reference, keeps as ``.grad`` instead of copying it. Where that
+    memory is still referenced at the next replay (``.grad`` kept for accumulation), the replay
+    keeps its values: it hands out a copy of what it wrote and gives the memory its values back.
     """
 
     def __init__(self, *, share_mem_pool: bool = False) -> None:
         super().__init__(share_mem_pool=share_mem_pool)
         self.replayed: dict[int, _Replayed] = {}
         self.written_arguments: dict[str, tuple[int, ...]] = {}
+        self.gradient_graphs: set[str] = set()
 
     def make_cache_key(self, fn_name: str, *args: Any) -> tuple:
         """Thunder's key (the graph, which arguments it reads in place, the layouts of all), with
@@ -183,27 +216,37 @@ class _CheckedRunner(CUDAGraphRunner):
         in_place = (i for i, static in enumerate(static_args_mask) if static)
         fixed = [(i, args[i], at) for i in in_place if (at := _address(args[i])) is not None]
         read = {_address(a, storage=True) for a in args} - {None}
+        leaves = tree_leaves(outputs)
+        handed = _handed(leaves, read) if name in self.gradient_graphs else []
+        kept = {h.position for h in handed}
         written = [
             t
-            for t in tree_leaves(outputs)
-            if isinstance(t, torch.Tensor) and not t.is_inference() and _address(t, storage=True) not in read
+            for i, t in enumerate(leaves)
+            if isinstance(t, torch.Tensor)
+            and not t.is_inference()
+            and _address(t, storage=True) not in read
+            and i not in kept
         ]
-        self.replayed[id(outputs)] = _Replayed(outputs, fixed, written, built[1])
+        self.replayed[id(outputs)] = _Replayed(outputs, fixed, written, built[1], handed)
         return built
 
     def call_cuda_graph(self, fn_name: str, *args: Any) -> Any:
-        outputs = super().call_cuda_graph(fn_name, *args)
+        """Thunder's call (a capture on the first call with these arguments, then a replay), with
+        the checks and hand-overs of the class docstring."""
+        key = self.make_cache_key(fn_name, *args)
+        entry = self.cuda_graph_cache.get(key)
+        if entry is None:
+            fn, _ = self.python_callables[fn_name]
+            entry = self.build_cuda_graph(fn, args, self.make_static_inputs_mask(fn_name, *args))
+            self.cuda_graph_cache[key] = entry
+        graph, static_inputs, outputs = entry
         replayed = self.replayed[id(outputs)]
-        for i, tensor, address in replayed.fixed:
-            if _address(tensor) != address:
-                name = getattr(self.trace_symbols[fn_name][1][i], "name", f"argument {i}")
-                raise RuntimeError(
-                    f"te_v2: {name}, which CUDA graph {fn_name} reads in place, is no longer where it was "
-                    "when the graph was captured (its memory was freed and allocated again, as FSDP2 "
-                    "does when it unshards a parameter, or `param.data = ...` does), so the replay "
-                    "read whatever is there now. "
-                    "Leave TEv2CUDAGraphTransform out where parameters move between steps."
-                )
+        self._check_in_place(fn_name, replayed)
+        held = _held(replayed)
+        for static_input, given in zip(static_inputs, args, strict=True):
+            if static_input is not given and isinstance(given, torch.Tensor):
+                static_input.copy_(given)
+        graph.replay()
         torch.autograd.graph.increment_version(replayed.written)
         if copied_back := [
             i for i in self.written_arguments.get(fn_name, ()) if replayed.inputs[i] is not args[i]
@@ -211,7 +254,73 @@ class _CheckedRunner(CUDAGraphRunner):
             with torch.no_grad():
                 for i in copied_back:
                     args[i].copy_(replayed.inputs[i])
-        return outputs
+        return _hand_over(replayed, held)
+
+    def _check_in_place(self, fn_name: str, replayed: _Replayed) -> None:
+        """Raises if an argument ``fn_name`` reads in place is no longer where it was captured."""
+        for i, tensor, address in replayed.fixed:
+            if _address(tensor) != address:
+                name = getattr(self.trace_symbols[fn_name][1][i], "name", f"argument {i}")
+                raise RuntimeError(
+                    f"te_v2: {name}, which CUDA graph {fn_name} reads in place, is no longer where it was "
+                    "when the graph was captured (its memory was freed and allocated again, as FSDP2 "
+                    "does when it unshards a parameter, or `param.data = ...` does), so a replay "
+                    "would read whatever is there now. "
+                    "Leave TEv2CUDAGraphTransform out where parameters move between steps."
+                )
+
+
+def _handed(leaves: list[Any], read: set[int]) -> list[_Handed]:
+    """The outputs among ``leaves`` a backward graph can hand to autograd: tensors whose storage
+    nothing it read and no other output shares (two gradients kept as ``.grad`` over one memory
+    would each see the other's in-place updates)."""
+    storages = [_address(t, storage=True) if isinstance(t, torch.Tensor) else None for t in leaves]
+    handed = [
+        _Handed(i, leaves[i].untyped_storage())
+        for i, at in enumerate(storages)
+        if at is not None and at not in read and storages.count(at) == 1
+    ]
+    for h in handed:
+        h.own = torch._C._storage_Use_Count(h.storage._cdata)
+    return handed
+
+
+def _held(replayed: _Replayed) -> dict[int, torch.Tensor]:
+    """The values of the handed outputs something still reads (``.grad`` kept for accumulation, a
+    gradient ``torch.autograd.grad`` returned, a view of one), by position, before a replay
+    overwrites them."""
+    leaves = tree_leaves(replayed.outputs)
+    held = {}
+    for h in replayed.handed:
+        references = torch._C._storage_Use_Count(h.storage._cdata)
+        if references < h.own:
+            raise RuntimeError(
+                f"te_v2 internal error: a gradient buffer of a CUDA graph has {references} references, "
+                f"fewer than the {h.own} te_v2 holds; please report it. "
+                "TEv2CUDAGraphTransform(copy_gradients=True) avoids this path."
+            )
+        if references > h.own:
+            held[h.position] = leaves[h.position].clone()
+    return held
+
+
+def _hand_over(replayed: _Replayed, held: dict[int, torch.Tensor]) -> Any:
+    """The graph's outputs, each handed output a new tensor over the graph's memory, or, where
+    that memory is still read (``held``), a copy of what the replay wrote, with the memory given
+    back its values."""
+    if not replayed.handed:
+        return replayed.outputs
+    leaves, spec = tree_flatten(replayed.outputs)
+    for h in replayed.handed:
+        static = leaves[h.position]
+        if (value := held.get(h.position)) is not None:
+            leaves[h.position] = static.clone()
+            static.copy_(value)
+        else:
+            leaves[h.position] = torch.empty((0,), dtype=static.dtype, device=static.device).set_(
+                h.storage, static.storage_offset(), static.size(), static.stride()
+            )
+    return tree_unflatten(leaves, spec)
 
 
 def _address(t: Any, *, storage: bool = False) -> int | None:

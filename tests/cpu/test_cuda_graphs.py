@@ -18,11 +18,12 @@ from thunder.transforms.cudagraph import CUDAGraphRunner, CUDAGraphTransform
 from torch.utils._pytree import tree_leaves
 
 from te_v2_executor import TEv2CUDAGraphTransform, make_te_v2, thunderfx
+from te_v2_executor.backends.reference import ReferenceQuantizedTensor
 from te_v2_executor.cuda_graphs import _saved_tensors
 from te_v2_executor.inductor import inductor_ex
 from te_v2_executor.symbols import BACKWARD_SYNC, FORWARD_SYNC, LINEAR_FWD, arg
 from tests.helpers import CLAIM_ALL, backward_trace, forward_trace
-from tests.models import BrokenBlock, Checkpointed, LoRAStack, tiny_llama
+from tests.models import BrokenBlock, Checkpointed, LoRAStack, SharedWeight, Stack, tiny_llama
 
 DIM, TOKENS = 64, 32
 _OUTSIDE = {prims.PrimIDs.UNPACK_TRIVIAL, prims.PrimIDs.UNPACK_SEQUENCE, prims.PrimIDs.RETURN}
@@ -204,9 +205,10 @@ def test_a_graphs_writes_into_its_inputs_reach_the_callers_tensors(
         assert torch.equal(with_graphs, without)
 
 
-def _runner_replaying(monkeypatch, fn, in_place: tuple[bool, ...], names: list[str]):
-    """te_v2's graph runner with ``fn`` registered as CUDAGraph1, "captured" by ``_capture``."""
-    monkeypatch.setattr(CUDAGraphRunner, "build_cuda_graph", _capture)
+def _runner_replaying(monkeypatch, fn, in_place: tuple[bool, ...], names: list[str], capture=None):
+    """te_v2's graph runner with ``fn`` registered as CUDAGraph1, "captured" by ``capture``
+    (``_capture`` if None)."""
+    monkeypatch.setattr(CUDAGraphRunner, "build_cuda_graph", capture or _capture)
     runner = TEv2CUDAGraphTransform().cuda_graph_runner
     runner.python_callables["CUDAGraph1"] = (fn, in_place)
     runner.trace_symbols["CUDAGraph1"] = ([], [SimpleNamespace(name=n) for n in names], [])
@@ -243,14 +245,19 @@ def test_a_replay_refuses_a_parameter_whose_memory_moved(monkeypatch):
 
 def _capture_rewriting(self, fn, args, static_args_mask):
     """``_capture_copying`` whose "replay" also writes what ``fn`` returns into the outputs of
-    the "capture", as a graph's replay rewrites its static outputs (one step: an FP8 copy's
-    ``copy_`` does not rewrite its scale)."""
+    the "capture", as a graph's replay rewrites its static outputs (an FP8 copy's data and
+    scales)."""
     graph, static, outputs = _capture_copying(self, fn, args, static_args_mask)
 
     def replay():
         with torch.no_grad():
             for mine, new in zip(tree_leaves(outputs), tree_leaves(graph.replay()), strict=True):
-                if isinstance(mine, torch.Tensor):
+                if isinstance(mine, ReferenceQuantizedTensor):
+                    for usage in ("rowwise", "columnwise"):
+                        if (plane := getattr(mine, usage)) is not None:
+                            plane.data.copy_(new.plane(usage).data)
+                            plane.scale_inv.copy_(new.plane(usage).scale_inv)
+                elif isinstance(mine, torch.Tensor):
                     mine.copy_(new)
 
     return SimpleNamespace(replay=replay), static, outputs
@@ -300,3 +307,116 @@ def test_each_backward_replays_the_graph_of_the_first(monkeypatch, dynamo_reset_
         compiled(input_ids=ids, labels=ids, use_cache=False).loss.backward()
         counts.append(len(transform.cuda_graph_runner.cuda_graph_cache))
     assert counts == [counts[0]] * 3, counts
+
+
+class _Sliced(torch.nn.Module):
+    """One weight read as two slices, whose gradients the backward pads and adds into one."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(2 * dim, dim) / dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        top, bottom = self.w.chunk(2)
+        return torch.nn.functional.linear(torch.relu(torch.nn.functional.linear(x, top)), bottom)
+
+
+_MODELS = {
+    "stack": lambda: Stack([DIM] * 4),
+    "tied": lambda: SharedWeight(DIM),
+    "sliced": lambda: _Sliced(DIM),
+}
+
+
+def _handed_memory(transform: TEv2CUDAGraphTransform) -> set[int]:
+    """Where the memory a backward graph hands to autograd starts, for every graph."""
+    return {h.storage.data_ptr() for r in transform.cuda_graph_runner.replayed.values() for h in r.handed}
+
+
+@pytest.mark.parametrize("model_name", sorted(_MODELS))
+@pytest.mark.parametrize("loop", ["zero_grad", "accumulate", "zeroed in place", "autograd.grad kept"])
+def test_gradients_are_the_graphs_memory_and_keep_their_values(monkeypatch, loop, model_name):
+    """A backward graph's gradients become ``.grad`` without a copy: with the gradients set to
+    None between steps, ``.grad`` is the graph's memory on every step. What still holds a gradient
+    at the next replay (``.grad`` accumulating, zeroed in place, gradients returned by
+    ``torch.autograd.grad`` and kept) reads what it read before: every gradient of three steps,
+    kept as autograd left it, equals the same steps' without graphs."""
+    monkeypatch.setattr(CUDAGraphRunner, "build_cuda_graph", _capture_rewriting)
+    runs, addresses = [], []
+    for transforms in ([], [TEv2CUDAGraphTransform()]):
+        torch.manual_seed(0)
+        model = _MODELS[model_name]()
+        params = list(model.parameters())
+        compiled = thunder.jit(
+            model, executors=[make_te_v2(backend="reference", claim=CLAIM_ALL)], transforms=transforms
+        )
+        kept, held, addresses = [], [], []
+        for step in range(3):
+            x = torch.randn(TOKENS, DIM, generator=torch.Generator().manual_seed(step))
+            loss = compiled(x).square().mean()
+            if loop == "autograd.grad kept":
+                held.append(torch.autograd.grad(loss, params))
+                kept.append([g.clone() for g in held[-1]])
+                continue
+            loss.backward()
+            addresses.append([p.grad.data_ptr() for p in params])
+            kept.append([p.grad.clone() for p in params])
+            if loop != "zero_grad":
+                held.append([p.grad for p in params])
+            if loop != "accumulate":
+                model.zero_grad(set_to_none=loop == "zero_grad")
+        runs.append(kept + held)
+    for without, with_graphs in zip(*runs, strict=True):
+        for a, b in zip(without, with_graphs, strict=True):
+            assert torch.equal(b, a)
+    handed = _handed_memory(transforms[0])
+    if loop == "zero_grad" and model_name != "tied":
+        assert addresses == [addresses[0]] * 3
+        assert all(a in handed for a in addresses[0])
+    elif loop == "zero_grad":  # .grad is autograd's sum of the two uses' handed gradients
+        assert not any(a in handed for a in addresses[0]) and len(handed) == 2
+
+
+def test_copy_gradients_has_autograd_copy_them(monkeypatch):
+    monkeypatch.setattr(CUDAGraphRunner, "build_cuda_graph", _capture_rewriting)
+    model = Stack([DIM] * 3)
+    transform = TEv2CUDAGraphTransform(copy_gradients=True)
+    compiled = thunder.jit(
+        model, executors=[make_te_v2(backend="reference", claim=CLAIM_ALL)], transforms=[transform]
+    )
+    compiled(torch.randn(TOKENS, DIM)).square().mean().backward()
+    assert not _handed_memory(transform)
+    outputs = {
+        t.untyped_storage().data_ptr()
+        for r in transform.cuda_graph_runner.replayed.values()
+        for t in tree_leaves(r.outputs)
+        if isinstance(t, torch.Tensor)
+    }
+    assert all(p.grad.untyped_storage().data_ptr() not in outputs for p in model.parameters())
+
+
+def test_a_backward_graph_hands_over_memory_no_other_output_shares(monkeypatch):
+    """Of a backward graph's outputs, those sharing memory go out as they are (autograd copies
+    them); another goes out as a new tensor over the graph's memory. A view of it kept to the next
+    replay still reads what it read: that replay hands out a copy and gives the memory its values
+    back. With nothing kept, the next replay hands out the graph's memory again."""
+
+    def fn(x):
+        pair = torch.stack([x, x + 1])
+        return pair[0], pair[1], x * 3
+
+    runner = _runner_replaying(monkeypatch, fn, (False,), ["x"], capture=_capture_rewriting)
+    runner.gradient_graphs.add("CUDAGraph1")
+    first, second, tripled = runner.call_cuda_graph("CUDAGraph1", torch.ones(4))
+    (replayed,) = runner.replayed.values()
+    static = tree_leaves(replayed.outputs)
+    assert first is static[0] and second is static[1]
+    assert tripled is not static[2] and tripled.data_ptr() == static[2].data_ptr()
+    view = tripled[:2]
+    del tripled
+    *_, tripled = runner.call_cuda_graph("CUDAGraph1", torch.full((4,), 2.0))
+    assert tripled.tolist() == [6.0] * 4 and tripled.data_ptr() != static[2].data_ptr()
+    assert view.tolist() == [3.0] * 2
+    del view, tripled
+    *_, tripled = runner.call_cuda_graph("CUDAGraph1", torch.full((4,), 4.0))
+    assert tripled.tolist() == [12.0] * 4 and tripled.data_ptr() == static[2].data_ptr()

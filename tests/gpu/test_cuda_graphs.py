@@ -155,7 +155,8 @@ def test_a_region_called_for_each_layer_replays_each_layers_graphs():
     from thunder.dynamo import thunderfx
 
     recipe = delayed_recipe()
-    xs = [torch.randn(TOKENS, DIM, device="cuda", dtype=DTYPE) for _ in range(STEPS)]
+    # inputs that need a gradient, as the blocks after the first get: one region for all three
+    xs = [torch.randn(TOKENS, DIM, device="cuda", dtype=DTYPE, requires_grad=True) for _ in range(STEPS)]
     runs, transform = [], TEv2CUDAGraphTransform()
     for transforms in ([], [transform]):
         torch._dynamo.reset()
@@ -169,6 +170,38 @@ def test_a_region_called_for_each_layer_replays_each_layers_graphs():
             torch.testing.assert_close(b, a, rtol=0, atol=0, msg=f"step {step}")
     names = [key[0] for key in transform.cuda_graph_runner.cuda_graph_cache]
     assert max(names.count(n) for n in names) == 3, names
+
+
+def test_gradients_are_the_graphs_memory_not_copies():
+    """With the gradients set to None between steps, ``.grad`` is the backward graph's memory: a
+    backward leaves nothing allocated beyond what the step had before it, where with
+    ``copy_gradients=True`` it leaves a copy of every weight gradient; both train bitwise alike."""
+    import transformer_engine.pytorch as te
+
+    recipe = delayed_recipe()
+    xs = [torch.randn(TOKENS, DIM, device="cuda", dtype=DTYPE) for _ in range(STEPS)]
+    left, runs = {}, {}
+    for copy_gradients in (True, False):
+        torch.manual_seed(0)
+        model = _model("full")
+        graphed = _graphed(model, [], TEv2CUDAGraphTransform(copy_gradients=copy_gradients))
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        losses = []
+        for x in xs:
+            before = torch.cuda.memory_allocated()
+            with te.autocast(enabled=True, recipe=recipe):
+                loss = graphed(x).float().square().mean()
+            loss.backward()
+            left[copy_gradients] = torch.cuda.memory_allocated() - before
+            losses.append(loss.detach().clone())
+            del loss
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        runs[copy_gradients] = [*losses, *model.parameters()]
+    for a, b in zip(runs[True], runs[False], strict=True):
+        torch.testing.assert_close(b, a, rtol=0, atol=0)
+    gradients = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert left[True] >= gradients and left[False] <= left[True] - gradients, (left, gradients)
 
 
 def test_thunders_own_cuda_graph_transform_is_refused():
