@@ -33,7 +33,10 @@ autograd keeps as ``.grad`` where it would otherwise copy them there: the weight
 once, not twice. The next replay of that graph writes into the same memory; where a gradient is
 still in use then (``.grad`` kept for accumulation, a gradient ``torch.autograd.grad`` returned),
 the replay hands out a copy of what it wrote and gives the memory back what it held, so the
-holder reads what it read before. ``copy_gradients=True`` has autograd copy every gradient.
+holder reads what it read before. ``copy_gradients=True`` (and ``share_mem_pool=True``, where
+another graph's replay may write into a backward graph's memory) returns a copy of each. A
+forward replay returns new tensors over its memory, so what autograd ties to one (``retain_grad``,
+hooks) is that call's alone.
 
     jitted = thunder.jit(model, executors=[te_v2, torch_compile_ex], transforms=[TEv2CUDAGraphTransform()])
     compiled = thunderfx(model, executors=executors(), transforms=[TEv2CUDAGraphTransform()])
@@ -41,6 +44,7 @@ holder reads what it read before. ``copy_gradients=True`` has autograd copy ever
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -67,13 +71,16 @@ class TEv2CUDAGraphTransform(CUDAGraphTransform):
     As with Thunder's transform, outputs (the forward's result, saved activations, gradients)
     live in the graphs' static buffers and are overwritten by the next replay, and those buffers
     stay allocated between steps. A backward that would read a saved tensor a later replay
-    overwrote raises instead. Gradients go to ``.grad`` without a copy, unless ``copy_gradients``.
+    overwrote raises instead. Gradients go to ``.grad`` without a copy, unless
+    ``copy_gradients`` or ``share_mem_pool`` (where another graph's replay may write into a
+    backward graph's outputs); then each is a copy.
     """
 
     def __init__(self, *, share_mem_pool: bool = False, copy_gradients: bool = False) -> None:
         super().__init__(share_mem_pool=share_mem_pool)
-        self.cuda_graph_runner = _CheckedRunner(share_mem_pool=share_mem_pool)
-        self.copy_gradients = copy_gradients
+        self.cuda_graph_runner = _CheckedRunner(
+            share_mem_pool=share_mem_pool, copy_gradients=copy_gradients or share_mem_pool
+        )
 
     def can_fuse(self, bsym: BoundSymbol) -> bool:
         if bsym.sym in SYNC_SYMBOLS or (bsym.sym is LINEAR_FWD and arg(bsym, "replay") is not None):
@@ -105,7 +112,7 @@ class TEv2CUDAGraphTransform(CUDAGraphTransform):
             else:
                 fused = self._backward_graphs(trace, **kwargs)
         self._tell_written_arguments(fused, Writes(unfused))
-        if trace.siginfo().name == "backward_fn" and not self.copy_gradients:
+        if trace.siginfo().name == "backward_fn":
             self.cuda_graph_runner.gradient_graphs.update(
                 b.sym.name for b in fused.bound_symbols if b.sym.executor is self
             )
@@ -142,27 +149,33 @@ class TEv2CUDAGraphTransform(CUDAGraphTransform):
 
 @dataclass
 class _Replayed:
-    """What a captured graph reads in place and writes: its in-place arguments, each with its
-    position and its address at capture, its outputs that no argument shares storage with (those
-    it hands over aside), the buffers of its arguments by position, and the outputs it hands to
-    autograd over its memory. ``outputs``, the graph's static outputs, is held so that its
-    ``id``, the runner's key for this entry, stays its own."""
+    """What a captured graph reads in place and writes: the positions of the arguments it reads
+    in place, those with an address with it at capture, the buffers of its arguments by position,
+    the outputs it marks as written (a forward's that no argument shares storage with) and the
+    positions among the outputs' leaves of those that are plain tensors, the outputs a backward graph hands to autograd over its
+    memory and the positions of those it copies. ``outputs``, the graph's static outputs, is held
+    so that its ``id``, the runner's key for this entry, stays its own."""
 
     outputs: Any
+    in_place: frozenset[int]
     fixed: list[tuple[int, torch.Tensor, int]]
-    written: list[torch.Tensor]
     inputs: tuple[Any, ...]
+    written: list[torch.Tensor] = field(default_factory=list)
+    fresh: list[int] = field(default_factory=list)
     handed: list[_Handed] = field(default_factory=list)
+    copied: list[int] = field(default_factory=list)
 
 
 @dataclass
 class _Handed:
     """One output a backward graph hands to autograd: its position among the outputs' leaves, its
-    storage, and how many references that storage has with nothing handed out."""
+    storage, and, with nothing handed out, how many references the storage has and how many the
+    storage's Python object has (one kept without any tensor over it adds only to the latter)."""
 
     position: int
     storage: torch.UntypedStorage
     own: int = 0
+    own_python: int = 0
 
 
 class _CheckedRunner(CUDAGraphRunner):
@@ -190,13 +203,19 @@ class _CheckedRunner(CUDAGraphRunner):
     autograd, seeing no other reference, keeps as ``.grad`` instead of copying it. Where that
     memory is still referenced at the next replay (``.grad`` kept for accumulation), the replay
     keeps its values: it hands out a copy of what it wrote and gives the memory its values back.
+    Their other outputs, and all of them with ``copy_gradients``, are returned as copies: none is
+    memory a later replay writes into. Each replay of another graph returns its outputs as new
+    tensors over its memory (``detach``, which shares the version counter the replays bump), so
+    that what autograd ties to a returned tensor (``retain_grad``, hooks) is that call's alone,
+    as without graphs.
     """
 
-    def __init__(self, *, share_mem_pool: bool = False) -> None:
+    def __init__(self, *, share_mem_pool: bool = False, copy_gradients: bool = False) -> None:
         super().__init__(share_mem_pool=share_mem_pool)
         self.replayed: dict[int, _Replayed] = {}
         self.written_arguments: dict[str, tuple[int, ...]] = {}
         self.gradient_graphs: set[str] = set()
+        self.copy_gradients = copy_gradients
 
     def make_cache_key(self, fn_name: str, *args: Any) -> tuple:
         """Thunder's key (the graph, which arguments it reads in place, the layouts of all), with
@@ -213,21 +232,28 @@ class _CheckedRunner(CUDAGraphRunner):
             for i, value in zip(in_place_writes, values, strict=True):
                 args[i].copy_(value)
         outputs = built[2]
-        in_place = (i for i, static in enumerate(static_args_mask) if static)
+        in_place = [i for i, static in enumerate(static_args_mask) if static]
         fixed = [(i, args[i], at) for i in in_place if (at := _address(args[i])) is not None]
         read = {_address(a, storage=True) for a in args} - {None}
         leaves = tree_leaves(outputs)
-        handed = _handed(leaves, read) if name in self.gradient_graphs else []
-        kept = {h.position for h in handed}
-        written = [
-            t
-            for i, t in enumerate(leaves)
-            if isinstance(t, torch.Tensor)
-            and not t.is_inference()
-            and _address(t, storage=True) not in read
-            and i not in kept
-        ]
-        self.replayed[id(outputs)] = _Replayed(outputs, fixed, written, built[1], handed)
+        replayed = _Replayed(outputs, frozenset(in_place), fixed, built[1])
+        if name in self.gradient_graphs:
+            replayed.handed = [] if self.copy_gradients else _handed(leaves, read)
+            kept = {h.position for h in replayed.handed}
+            replayed.copied = [
+                i for i, t in enumerate(leaves) if i not in kept and _address(t, storage=True) is not None
+            ]
+        else:
+            replayed.written = [
+                t
+                for t in leaves
+                if isinstance(t, torch.Tensor)
+                and not t.is_inference()
+                and _address(t, storage=True) not in read
+            ]
+            written = {id(t) for t in replayed.written}
+            replayed.fresh = [i for i, t in enumerate(leaves) if type(t) is torch.Tensor and id(t) in written]
+        self.replayed[id(outputs)] = replayed
         return built
 
     def call_cuda_graph(self, fn_name: str, *args: Any) -> Any:
@@ -243,8 +269,8 @@ class _CheckedRunner(CUDAGraphRunner):
         replayed = self.replayed[id(outputs)]
         self._check_in_place(fn_name, replayed)
         held = _held(replayed)
-        for static_input, given in zip(static_inputs, args, strict=True):
-            if static_input is not given and isinstance(given, torch.Tensor):
+        for i, (static_input, given) in enumerate(zip(static_inputs, args, strict=True)):
+            if static_input is not given and isinstance(given, torch.Tensor) and i not in replayed.in_place:
                 static_input.copy_(given)
         graph.replay()
         torch.autograd.graph.increment_version(replayed.written)
@@ -281,7 +307,7 @@ def _handed(leaves: list[Any], read: set[int]) -> list[_Handed]:
         if at is not None and at not in read and storages.count(at) == 1
     ]
     for h in handed:
-        h.own = torch._C._storage_Use_Count(h.storage._cdata)
+        h.own, h.own_python = torch._C._storage_Use_Count(h.storage._cdata), sys.getrefcount(h.storage)
     return handed
 
 
@@ -299,7 +325,7 @@ def _held(replayed: _Replayed) -> dict[int, torch.Tensor]:
                 f"fewer than the {h.own} te_v2 holds; please report it. "
                 "TEv2CUDAGraphTransform(copy_gradients=True) avoids this path."
             )
-        if references > h.own:
+        if references > h.own or sys.getrefcount(h.storage) > h.own_python:
             held[h.position] = leaves[h.position].clone()
     return held
 
@@ -307,10 +333,12 @@ def _held(replayed: _Replayed) -> dict[int, torch.Tensor]:
 def _hand_over(replayed: _Replayed, held: dict[int, torch.Tensor]) -> Any:
     """The graph's outputs, each handed output a new tensor over the graph's memory, or, where
     that memory is still read (``held``), a copy of what the replay wrote, with the memory given
-    back its values."""
-    if not replayed.handed:
-        return replayed.outputs
+    back its values; each copied output a copy, each fresh one a new tensor over its memory."""
     leaves, spec = tree_flatten(replayed.outputs)
+    for i in replayed.copied:
+        leaves[i] = leaves[i].clone()
+    for i in replayed.fresh:
+        leaves[i] = leaves[i].detach()
     for h in replayed.handed:
         static = leaves[h.position]
         if (value := held.get(h.position)) is not None:

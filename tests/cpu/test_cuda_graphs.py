@@ -333,17 +333,19 @@ def _handed_memory(transform: TEv2CUDAGraphTransform) -> set[int]:
     return {h.storage.data_ptr() for r in transform.cuda_graph_runner.replayed.values() for h in r.handed}
 
 
+@pytest.mark.parametrize("copy_gradients", [False, True])
 @pytest.mark.parametrize("model_name", sorted(_MODELS))
 @pytest.mark.parametrize("loop", ["zero_grad", "accumulate", "zeroed in place", "autograd.grad kept"])
-def test_gradients_are_the_graphs_memory_and_keep_their_values(monkeypatch, loop, model_name):
+def test_gradients_are_the_graphs_memory_and_keep_their_values(monkeypatch, loop, model_name, copy_gradients):
     """A backward graph's gradients become ``.grad`` without a copy: with the gradients set to
     None between steps, ``.grad`` is the graph's memory on every step. What still holds a gradient
     at the next replay (``.grad`` accumulating, zeroed in place, gradients returned by
     ``torch.autograd.grad`` and kept) reads what it read before: every gradient of three steps,
-    kept as autograd left it, equals the same steps' without graphs."""
+    kept as autograd left it, equals the same steps' without graphs. With ``copy_gradients`` too,
+    where the kept gradients were the graph's outputs themselves before the hand-over existed."""
     monkeypatch.setattr(CUDAGraphRunner, "build_cuda_graph", _capture_rewriting)
     runs, addresses = [], []
-    for transforms in ([], [TEv2CUDAGraphTransform()]):
+    for transforms in ([], [TEv2CUDAGraphTransform(copy_gradients=copy_gradients)]):
         torch.manual_seed(0)
         model = _MODELS[model_name]()
         params = list(model.parameters())
@@ -370,7 +372,9 @@ def test_gradients_are_the_graphs_memory_and_keep_their_values(monkeypatch, loop
         for a, b in zip(without, with_graphs, strict=True):
             assert torch.equal(b, a)
     handed = _handed_memory(transforms[0])
-    if loop == "zero_grad" and model_name != "tied":
+    if copy_gradients:
+        assert not handed
+    elif loop == "zero_grad" and model_name != "tied":
         assert addresses == [addresses[0]] * 3
         assert all(a in handed for a in addresses[0])
     elif loop == "zero_grad":  # .grad is autograd's sum of the two uses' handed gradients
@@ -396,8 +400,8 @@ def test_copy_gradients_has_autograd_copy_them(monkeypatch):
 
 
 def test_a_backward_graph_hands_over_memory_no_other_output_shares(monkeypatch):
-    """Of a backward graph's outputs, those sharing memory go out as they are (autograd copies
-    them); another goes out as a new tensor over the graph's memory. A view of it kept to the next
+    """Of a backward graph's outputs, those sharing memory go out as copies; another goes out as a
+    new tensor over the graph's memory. A view of it, or its storage alone, kept to the next
     replay still reads what it read: that replay hands out a copy and gives the memory its values
     back. With nothing kept, the next replay hands out the graph's memory again."""
 
@@ -410,7 +414,7 @@ def test_a_backward_graph_hands_over_memory_no_other_output_shares(monkeypatch):
     first, second, tripled = runner.call_cuda_graph("CUDAGraph1", torch.ones(4))
     (replayed,) = runner.replayed.values()
     static = tree_leaves(replayed.outputs)
-    assert first is static[0] and second is static[1]
+    assert {first.data_ptr(), second.data_ptr()}.isdisjoint(t.data_ptr() for t in static)
     assert tripled is not static[2] and tripled.data_ptr() == static[2].data_ptr()
     view = tripled[:2]
     del tripled
@@ -420,3 +424,30 @@ def test_a_backward_graph_hands_over_memory_no_other_output_shares(monkeypatch):
     del view, tripled
     *_, tripled = runner.call_cuda_graph("CUDAGraph1", torch.full((4,), 4.0))
     assert tripled.tolist() == [12.0] * 4 and tripled.data_ptr() == static[2].data_ptr()
+    storage = tripled.untyped_storage()
+    del tripled
+    runner.call_cuda_graph("CUDAGraph1", torch.full((4,), 5.0))
+    assert torch.empty(0).set_(storage, 0, (4,), (1,)).tolist() == [12.0] * 4
+
+
+def test_a_retained_output_gradient_is_each_steps_own(monkeypatch):
+    """Each replay returns a new tensor over the graph's memory, so the gradient ``retain_grad``
+    keeps on it is that step's, as without graphs (Thunder's runner returned one tensor on every
+    replay, whose retained gradient was wrong from the second step on)."""
+    monkeypatch.setattr(CUDAGraphRunner, "build_cuda_graph", _capture_rewriting)
+    runs = []
+    for transforms in ([], [TEv2CUDAGraphTransform()]):
+        torch.manual_seed(0)
+        model = Stack([DIM] * 3)
+        compiled = thunder.jit(
+            model, executors=[make_te_v2(backend="reference", claim=CLAIM_ALL)], transforms=transforms
+        )
+        kept = []
+        for step in range(3):
+            y = compiled(torch.randn(TOKENS, DIM, generator=torch.Generator().manual_seed(step)))
+            y.retain_grad()
+            y.square().mean().backward()
+            kept.append(y.grad.clone())
+        runs.append(kept)
+    for without, with_graphs in zip(*runs, strict=True):
+        assert torch.equal(with_graphs, without)
