@@ -80,6 +80,15 @@ class LlamaLogits(torch.nn.Module):
         return self.llama(input_ids=ids, use_cache=False).logits
 
 
+# Hugging Face models read batches of token ids, take LLAMA_LR and go through thunderfx
+MODELS: dict[str, Callable[[], torch.nn.Module]] = {
+    "full": lambda: Stack([DIM] * 4),
+    "lora": lambda: LoRAStack([DIM] * 3, rank=16),
+    "llama": lambda: LlamaLogits(frozen=False),
+    "llamafrozen": lambda: LlamaLogits(frozen=True),
+}
+HUGGING_FACE = {"llama", "llamafrozen"}
+
 CHECKPOINT_STEPS = 2  # of STEPS, before ``checkpointed`` saves
 
 
@@ -100,13 +109,7 @@ class Run:
         """The same weights on every rank."""
         torch.manual_seed(0)
         dtype = torch.bfloat16 if self.cuda else torch.float32
-        make = {
-            "full": lambda: Stack([DIM] * 4),
-            "lora": lambda: LoRAStack([DIM] * 3, rank=16),
-            "llama": lambda: LlamaLogits(frozen=False),
-            "llamafrozen": lambda: LlamaLogits(frozen=True),
-        }[kind]
-        return make().to(self.device, dtype)
+        return MODELS[kind]().to(self.device, dtype)
 
     @property
     def mine(self) -> slice:
@@ -118,7 +121,7 @@ class Run:
         ``world`` ranks (this one's when None)."""
         gen = torch.Generator().manual_seed(1)
         rows = TOKENS_PER_RANK * (world or self.world)
-        if kind.startswith("llama"):
+        if kind in HUGGING_FACE:
             vocab = 2 * LLAMA_HIDDEN
             return [
                 torch.randint(0, vocab, (rows, LLAMA_SEQUENCE), generator=gen).to(self.device)
@@ -308,12 +311,12 @@ def scenario(name: str, run: Run, out: Path) -> None:
         torch.save({"rank": run.rank, "world": run.world, **found}, out / f"{name}.rank{run.rank}.pt")
         return
     batches, mine = run.global_batch(kind), run.mine
-    lr = LLAMA_LR if kind.startswith("llama") else LR
+    lr = LLAMA_LR if kind in HUGGING_FACE else LR
     result: dict[str, Any] = {"rank": run.rank, "world": run.world}
 
     if wrapper != "builtin_ddp":
         reference = run.model(kind)
-        if kind.startswith("llama"):  # Hugging Face models go through thunderfx
+        if kind in HUGGING_FACE:
             from thunder.dynamo import thunderfx
 
             torch._dynamo.reset()
