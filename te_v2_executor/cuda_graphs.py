@@ -17,10 +17,10 @@ A replay overwrites what the previous replay of the same graph returned. So that
 reads a tensor a later replay overwrote, every replay marks its outputs (gradients aside, below)
 as written in place: autograd then refuses a saved tensor the next forward's replay overwrote (a
 second forward before the first one's backward) with its "modified by an inplace operation"
-error, where it would otherwise compute a wrong gradient without a word. A graph reads its parameters in place: a call
-with other parameters there (a region Dynamo compiled once and calls for every layer whose guards
-match) gets graphs of its own, and a replay that finds a parameter moved to other memory since
-the capture raises, naming it.
+error, where it would otherwise compute a wrong gradient without a word. A graph reads its
+parameters in place: a call with other parameters there (a region Dynamo compiled once and calls
+for every layer whose guards match) gets graphs of its own, and a replay that finds a parameter
+moved to other memory since the capture raises, naming it.
 
 A graph reads the tensors it does not read in place (inputs, buffers) from copies it makes on
 each call, so a write into one (``x.mul_(2)``, a running statistic's ``add_``) would reach only
@@ -152,9 +152,10 @@ class _Replayed:
     """What a captured graph reads in place and writes: the positions of the arguments it reads
     in place, those with an address with it at capture, the buffers of its arguments by position,
     the outputs it marks as written (a forward's that no argument shares storage with) and the
-    positions among the outputs' leaves of those that are plain tensors, the outputs a backward graph hands to autograd over its
-    memory and the positions of those it copies. ``outputs``, the graph's static outputs, is held
-    so that its ``id``, the runner's key for this entry, stays its own."""
+    positions among the outputs' leaves of those that are plain tensors, the outputs a backward
+    graph hands to autograd over its memory and the positions of those it copies. ``outputs``,
+    the graph's static outputs, is held so that its ``id``, the runner's key for this entry, stays
+    its own."""
 
     outputs: Any
     in_place: frozenset[int]
@@ -244,15 +245,15 @@ class _CheckedRunner(CUDAGraphRunner):
                 i for i, t in enumerate(leaves) if i not in kept and _address(t, storage=True) is not None
             ]
         else:
-            replayed.written = [
-                t
-                for t in leaves
+            marked = [
+                i
+                for i, t in enumerate(leaves)
                 if isinstance(t, torch.Tensor)
                 and not t.is_inference()
                 and _address(t, storage=True) not in read
             ]
-            written = {id(t) for t in replayed.written}
-            replayed.fresh = [i for i, t in enumerate(leaves) if type(t) is torch.Tensor and id(t) in written]
+            replayed.written = [leaves[i] for i in marked]
+            replayed.fresh = [i for i in marked if type(leaves[i]) is torch.Tensor]
         self.replayed[id(outputs)] = replayed
         return built
 
@@ -315,6 +316,8 @@ def _held(replayed: _Replayed) -> dict[int, torch.Tensor]:
     """The values of the handed outputs something still reads (``.grad`` kept for accumulation, a
     gradient ``torch.autograd.grad`` returned, a view of one), by position, before a replay
     overwrites them."""
+    if not replayed.handed:
+        return {}
     leaves = tree_leaves(replayed.outputs)
     held = {}
     for h in replayed.handed:
