@@ -7,11 +7,11 @@ graphs: what they do is decided in Python on every call (an open ``quantization_
 holds the update back; the ``te.autocast`` amax group picks the all-reduce), and a capture would
 freeze the decision of the first step. The flush symbols refuse to be captured, so Thunder's
 plain ``CUDAGraphTransform`` fails with an error naming this transform instead of updating the
-state wrongly. Forwards the backward recomputes with the scales the forward sync snapshot
-(activation checkpointing under delayed scaling) run eagerly too: replayed from a capture, their
-copies came out wrong from the second step on. The ``weight_recasts`` pass is off under CUDA
-graphs, where each of its casts would run between graphs: the forward keeps the FP8 weight
-copies.
+state wrongly. Forwards the backward recomputes and the casts it makes again (activation
+checkpointing, ``weight_recasts`` and ``input_recasts``) are captured: they quantize with the
+scales the forward sync snapshot, an input of the backward's graph. As the forward graph holds
+what the forward saves from one step to the next, those passes make every recast they can under
+CUDA graphs, not only those that lower the step's peak.
 
 A replay overwrites what the previous replay of the same graph returned. So that no backward
 reads a tensor a later replay overwrote, every replay marks its outputs (gradients aside, below)
@@ -47,6 +47,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from inspect import Parameter, Signature
 from typing import Any
 from unittest import mock
 
@@ -55,18 +56,17 @@ import torch
 from thunder.core import prims
 from thunder.core.proxies import ProxyTag, TensorProxy
 from thunder.core.symbol import BoundSymbol
-from thunder.core.trace import TraceCtx, from_trace
+from thunder.core.trace import TraceCtx, from_trace, reset_tracectx, set_tracectx
 from thunder.executors.data_dependent_partition import consecutive_fusion
 from thunder.transforms.cudagraph import CUDAGraphRunner, CUDAGraphTransform
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
 from te_v2_executor.passes._writes import Writes, written_tensor
-from te_v2_executor.symbols import LINEAR_FWD, SYNC_SYMBOLS, arg
+from te_v2_executor.symbols import SYNC_SYMBOLS
 
 
 class TEv2CUDAGraphTransform(CUDAGraphTransform):
-    """Thunder's CUDA graph transform, keeping te_v2's state flushes and replayed forwards out of
-    the graphs.
+    """Thunder's CUDA graph transform, keeping te_v2's state flushes out of the graphs.
 
     As with Thunder's transform, outputs (the forward's result, saved activations, gradients)
     live in the graphs' static buffers and are overwritten by the next replay, and those buffers
@@ -83,7 +83,7 @@ class TEv2CUDAGraphTransform(CUDAGraphTransform):
         )
 
     def can_fuse(self, bsym: BoundSymbol) -> bool:
-        if bsym.sym in SYNC_SYMBOLS or (bsym.sym is LINEAR_FWD and arg(bsym, "replay") is not None):
+        if bsym.sym in SYNC_SYMBOLS:
             return False
         return super().can_fuse(bsym)
 
@@ -223,6 +223,41 @@ class _CheckedRunner(CUDAGraphRunner):
         what each argument read in place is (``_identity``)."""
         key = super().make_cache_key(fn_name, *args)
         return (*key, tuple(_identity(a) for a, fixed in zip(args, key[1], strict=True) if fixed))
+
+    def make_python_callable_from_symbols(
+        self, fn_name: str, bsyms: list[BoundSymbol], inputs: list[Any], outputs: list[Any]
+    ) -> Callable:
+        """Thunder's graph function, its objects (quantization states) named by its own trace
+        alone.
+
+        A function's globals map each object's name to the object, merged from what its symbols
+        remember: a bound symbol remembers the name each of its objects had in every trace that
+        printed it, and shares that memory with the symbol it was copied from. Thunder's method
+        prints the graph's trace, which numbers its objects from 0, and then gathers the globals
+        under whatever trace is current. So a name another trace gave another object (the
+        backward's own names, or the forward's, which a recomputed forward remembers) could bind
+        a linear to another linear's state, which then quantized with the wrong scale without a
+        word. Here the symbols are copies that remember nothing, and the globals are gathered
+        under the graph's trace.
+        """
+        signature = Signature(
+            Parameter(getattr(p, "name", f"arg{i}"), Parameter.POSITIONAL_ONLY) for i, p in enumerate(inputs)
+        )
+
+        def region_fn() -> None:
+            pass
+
+        region_fn.__signature__ = signature
+        region_fn.__name__ = fn_name
+        region = TraceCtx(region_fn)
+        region.args, region.kwargs = inputs, {}
+        region.bound_symbols = [b.from_bsym(_object_ctx={}) for b in bsyms]
+        region.bound_symbols.append(prims.python_return.bind(outputs, output=None))
+        token = set_tracectx(region)
+        try:
+            return region.python_callable()
+        finally:
+            reset_tracectx(token)
 
     def build_cuda_graph(self, fn: Callable, args: list[Any], static_args_mask: tuple[bool, ...]) -> tuple:
         name = next(name for name, (callable_, _) in self.python_callables.items() if callable_ is fn)

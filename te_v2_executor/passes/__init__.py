@@ -113,12 +113,13 @@ PIPELINE: tuple[Pass, ...] = (
     ),
     Pass(
         "weight_recasts",
-        lambda trace, context: trace if context.graphed else recasts.recast_weights(trace),
-        "dgrads cast their parameter again in the backward, so the forward saves no FP8 copy of it",
+        lambda trace, context: recasts.recast_weights(trace, every=context.graphed),
+        "dgrads cast their parameter again in the backward, so the forward saves no FP8 copy of it, "
+        "where that lowers the step's peak (everywhere under CUDA graphs, whose forward graph holds "
+        "what it saves between steps)",
         "after consumption, which decides the copies kept; before the syncs, which give each recast "
         "the scale its forward used",
-        "each forward saves exactly the copies its readers read; no CUDA graphs, which would run "
-        "each recast outside them",
+        "each forward saves exactly the copies its readers read",
         optional=True,
     ),
     Pass(
@@ -216,12 +217,13 @@ PIPELINE: tuple[Pass, ...] = (
     ),
     Pass(
         "input_recasts",
-        lambda trace, context: input_recasts.recast_inputs(trace, context.fusers, graphed=context.graphed),
+        lambda trace, context: input_recasts.recast_inputs(trace, context.fusers, every=context.graphed),
         "wgrads cast their input again in the backward where the backward keeps it (or views of it) "
-        "anyway, so the forward saves no FP8 copy of it",
+        "anyway, so the forward saves no FP8 copy of it, where that lowers the peak (everywhere "
+        "under CUDA graphs, as for weight_recasts)",
         "after every fold and widenings, which decide what the backward reads and what each forward "
         "casts; before write_order, which orders the writes after the recasts' reads",
-        "each forward saves exactly the copies its readers read; no CUDA graphs, as for weight_recasts",
+        "each forward saves exactly the copies its readers read",
         optional=True,
     ),
     Pass(

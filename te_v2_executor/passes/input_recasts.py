@@ -27,9 +27,9 @@ x^T may differ from the forward's x in a last bit before the cast. Where x is in
 of two tensors saved anyway, which only this forward reads, the forward multiplies them itself
 (``times``), as PyTorch's ``*`` does, and so does the recast: left to a fuser, the product may be
 computed from values it keeps in float32 without the rounding the saved tensor took (Inductor
-drops such round trips). Under CUDA graphs, which would run each recast outside them, every copy
-stays saved; elsewhere a recast is made only where it lowers the step's peak memory
-(``_peak.py``), as ``weight_recasts`` does.
+drops such round trips). A recast is made only where it lowers the step's peak memory
+(``_peak.py``), as ``weight_recasts`` does; under CUDA graphs, whose forward graph holds what it
+saves between steps, every one that can be is made.
 """
 
 from __future__ import annotations
@@ -400,11 +400,9 @@ def _recast(bsym: BoundSymbol, first: BoundSymbol, facts: _Facts) -> _Recast | N
     return _Recast(bsym, sources, ops, first, times, shape_readers if times else [], outside, pinned)
 
 
-def _recastable(trace: TraceCtx, graphed: bool, fusers: list[FusionExecutor]) -> list[_Recast]:
+def _recastable(trace: TraceCtx, every: bool, fusers: list[FusionExecutor]) -> list[_Recast]:
     """The forwards whose saved input copy the backward can make again exactly (see the module
-    docstring)."""
-    if graphed:
-        return []
+    docstring): with ``every``, all of them, else those the lowest peak needs."""
     producers, consumers = utils.producers(trace), utils.consumers(trace)
     returned = trace.bound_symbols[-1].args[0]
     outputs = [
@@ -421,17 +419,19 @@ def _recastable(trace: TraceCtx, graphed: bool, fusers: list[FusionExecutor]) ->
             first = min(readers, key=facts.writes.position)
             if (recast := _recast(bsym, first, facts)) is not None:
                 found.append(recast)
+    if every:
+        return found
     position = facts.writes.position
     savings = [Saving(_saved_input(r.forward), position(r.forward), position(r.first_reader)) for r in found]
     return list(compress(found, peak_needs(trace, facts.writes, savings)))
 
 
-def recast_inputs(trace: TraceCtx, fusers: list[FusionExecutor], *, graphed: bool = False) -> TraceCtx:
+def recast_inputs(trace: TraceCtx, fusers: list[FusionExecutor], *, every: bool = False) -> TraceCtx:
     """Have the wgrads of each forward whose input the backward keeps anyway read a copy cast in
-    the backward rather than one the forward saved (see the module docstring for which);
-    ``fusers``: the fusion executors after te_v2, whose rematerialization decides what else the
-    forward saves."""
-    recasts = _recastable(trace, graphed, fusers)
+    the backward rather than one the forward saved (see the module docstring for which; with
+    ``every``, each one that can, peak or not); ``fusers``: the fusion executors after te_v2,
+    whose rematerialization decides what else the forward saves."""
+    recasts = _recastable(trace, every, fusers)
     if not recasts:
         return trace
     trace, replay, rows = replaying(trace, [r.forward.kwargs["state"] for r in recasts])

@@ -23,7 +23,8 @@ that check cannot see, is read with its new values, as eager autograd reads it.
 
 A recast costs a call into TE in the backward, so one is made only where it lowers the step's
 peak memory (``_peak.py``): in a full fine-tune of few tokens the peak is the end of the backward,
-after every saved copy is freed, and no recast is made.
+after every saved copy is freed, and no recast is made. Under CUDA graphs every one that can be
+is made: the forward graph holds what it saves from one step to the next.
 """
 
 from __future__ import annotations
@@ -71,10 +72,10 @@ def _recast(fwd: BoundSymbol, trace: TraceCtx, after: TensorProxy | None) -> Bou
     return recast
 
 
-def recast_weights(trace: TraceCtx) -> TraceCtx:
+def recast_weights(trace: TraceCtx, *, every: bool = False) -> TraceCtx:
     """Have each dgrad of a parameter's linear read a copy cast in the backward, before the first
     of its readers and after that reader's gradient, rather than one the forward saved (see the
-    module docstring for which)."""
+    module docstring for which; with ``every``, each one that can, peak or not)."""
     producers, consumers = utils.producers(trace), utils.consumers(trace)
     writes = Writes(trace)
     unpacked = (b.output for b in trace.bound_symbols if b.sym.id is prims.PrimIDs.UNPACK_TRIVIAL)
@@ -96,9 +97,8 @@ def recast_weights(trace: TraceCtx) -> TraceCtx:
     savings = [Saving(b.output[2], writes.position(b), writes.position(first)) for b, _, first in candidates]
     swapped: dict[int, BoundSymbol] = {}  # id of a bound symbol -> its replacement
     inserted: dict[int, list[BoundSymbol]] = {}  # position -> recasts placed before it
-    for (bsym, readers, first_reader), needed in zip(
-        candidates, peak_needs(trace, writes, savings), strict=True
-    ):
+    needs = [True] * len(savings) if every else peak_needs(trace, writes, savings)
+    for (bsym, readers, first_reader), needed in zip(candidates, needs, strict=True):
         if not needed:
             continue
         recast = _recast(bsym, trace, made_in_backward(first_reader, producers))

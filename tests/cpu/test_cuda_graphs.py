@@ -6,7 +6,9 @@ on the trace, which the reference backend builds on the CPU.
 
 from __future__ import annotations
 
+import inspect
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import thunder
@@ -15,13 +17,15 @@ from thunder.core import prims
 from thunder.core.proxies import ProxyTag
 from thunder.core.trace import from_trace
 from thunder.transforms.cudagraph import CUDAGraphRunner, CUDAGraphTransform
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from te_v2_executor import TEv2CUDAGraphTransform, make_te_v2, thunderfx
 from te_v2_executor.backends.reference import ReferenceQuantizedTensor
 from te_v2_executor.cuda_graphs import _saved_tensors
 from te_v2_executor.inductor import inductor_ex
-from te_v2_executor.symbols import BACKWARD_SYNC, FORWARD_SYNC, LINEAR_FWD, arg
+from te_v2_executor.state import LinearQuantState
+from te_v2_executor.symbols import BACKWARD_SYNC, FORWARD_SYNC, LINEAR_FWD, RECAST_WEIGHTS, arg
 from tests.helpers import CLAIM_ALL, backward_trace, forward_trace
 from tests.models import BrokenBlock, Checkpointed, LoRAStack, SharedWeight, Stack, tiny_llama
 
@@ -30,9 +34,9 @@ _OUTSIDE = {prims.PrimIDs.UNPACK_TRIVIAL, prims.PrimIDs.UNPACK_SEQUENCE, prims.P
 
 
 def _trained(model=None):
-    """A trained step's traces, by a te_v2 without ``weight_recasts``, as under the transform,
-    which switches the pass off."""
-    te_v2 = make_te_v2(backend="reference", claim=CLAIM_ALL, skip_passes=["weight_recasts"])
+    """A trained step's traces, with every recast made, as under the transform (and as the
+    suite makes them, ``tests/conftest.py``)."""
+    te_v2 = make_te_v2(backend="reference", claim=CLAIM_ALL)
     jitted = thunder.jit(model or LoRAStack([DIM] * 3, rank=16), executors=[te_v2])
     jitted(torch.randn(TOKENS, DIM)).sum().backward()
     return jitted
@@ -67,16 +71,20 @@ def test_thunders_plain_transform_would_capture_the_flushes():
     assert FORWARD_SYNC not in _top_level_work(fwd)
 
 
-def test_recomputed_forwards_run_outside_the_graphs():
-    """A checkpointed linear's recomputed forward quantizes with the scales the forward sync
-    snapshot; captured, its copies came out wrong from the second replay on."""
+def test_recomputed_forwards_and_recasts_are_captured():
+    """A checkpointed linear's recomputed forward and the backward's recasts quantize with the
+    scales the forward sync snapshot, an input of the backward's graph."""
     jitted = _trained(Checkpointed(DIM))
     transform = TEv2CUDAGraphTransform()
     transform.transform_trace_post_optimization(forward_trace(jitted))
-    bwd = transform.transform_trace_post_optimization(backward_trace(jitted))
-    outside = [b for b in bwd.bound_symbols if b.sym is LINEAR_FWD]
-    assert outside and all(arg(b, "replay") is not None for b in outside)
-    assert [b for b in bwd.bound_symbols if b.sym.name.startswith("CUDAGraph")]
+    backward = backward_trace(jitted)
+    replaying = [b for b in backward.bound_symbols if b.sym in (LINEAR_FWD, RECAST_WEIGHTS)]
+    assert {b.sym for b in replaying if b.sym is RECAST_WEIGHTS or arg(b, "replay") is not None} == {
+        LINEAR_FWD,
+        RECAST_WEIGHTS,
+    }
+    bwd = transform.transform_trace_post_optimization(backward)
+    assert _top_level_work(bwd) == [BACKWARD_SYNC]
 
 
 def test_a_flush_refuses_to_be_captured(reference_te_v2, monkeypatch):
@@ -263,6 +271,51 @@ def _capture_rewriting(self, fn, args, static_args_mask):
     return SimpleNamespace(replay=replay), static, outputs
 
 
+class _Tape(TorchDispatchMode):
+    """The ATen operations a "capture" runs, each with the tensors it ran on, so that a "replay"
+    runs them again on the same tensors and nothing else: like a CUDA graph's, it runs no Python
+    of the traced function, so whatever that Python decided at capture holds on every replay.
+    Only operations that go through the dispatcher are seen (not Inductor's CPU kernels)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[tuple[Any, tuple, dict, Any]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            raise RuntimeError("a value read to the host while capturing, which a CUDA graph cannot")
+        out = func(*args, **(kwargs or {}))
+        self.ops.append((func, args, kwargs or {}, out))
+        return out
+
+    def replay(self) -> None:
+        with torch.no_grad():
+            for func, args, kwargs, out in self.ops:
+                new = func(*args, **kwargs)
+                for mine, value in zip(tree_leaves(out), tree_leaves(new), strict=True):
+                    if isinstance(mine, torch.Tensor) and not _same_memory(mine, value):
+                        mine.copy_(value)
+
+
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+def _capture_taped(self, fn, args, static_args_mask):
+    """A "capture" as Thunder's: three warm-up calls on the runner's copies of the arguments it
+    does not read in place, then one call taped (``_Tape``), whose outputs the replays rewrite."""
+    static = tuple(
+        a if in_place else self.get_static_buffer(a)
+        for a, in_place in zip(args, static_args_mask, strict=True)
+    )
+    for _ in range(3):
+        fn(*static)
+    tape = _Tape()
+    with tape:
+        outputs = fn(*static)
+    return tape, static, outputs
+
+
 @pytest.mark.parametrize("grad", [False, True])
 def test_a_region_called_for_several_layers_gets_a_graph_for_each(monkeypatch, grad, dynamo_reset_after):
     """Thunder's runner found the first block's graph for every block (same layouts) and copied
@@ -343,7 +396,7 @@ def test_gradients_are_the_graphs_memory_and_keep_their_values(monkeypatch, loop
     ``torch.autograd.grad`` and kept) reads what it read before: every gradient of three steps,
     kept as autograd left it, equals the same steps' without graphs. With ``copy_gradients`` too,
     where the kept gradients were the graph's outputs themselves before the hand-over existed."""
-    monkeypatch.setattr(CUDAGraphRunner, "build_cuda_graph", _capture_rewriting)
+    monkeypatch.setattr(CUDAGraphRunner, "build_cuda_graph", _capture_taped)
     runs, addresses = [], []
     for transforms in ([], [TEv2CUDAGraphTransform(copy_gradients=copy_gradients)]):
         torch.manual_seed(0)
@@ -382,7 +435,7 @@ def test_gradients_are_the_graphs_memory_and_keep_their_values(monkeypatch, loop
 
 
 def test_copy_gradients_has_autograd_copy_them(monkeypatch):
-    monkeypatch.setattr(CUDAGraphRunner, "build_cuda_graph", _capture_rewriting)
+    monkeypatch.setattr(CUDAGraphRunner, "build_cuda_graph", _capture_taped)
     model = Stack([DIM] * 3)
     transform = TEv2CUDAGraphTransform(copy_gradients=True)
     compiled = thunder.jit(
@@ -409,7 +462,7 @@ def test_a_backward_graph_hands_over_memory_no_other_output_shares(monkeypatch):
         pair = torch.stack([x, x + 1])
         return pair[0], pair[1], x * 3
 
-    runner = _runner_replaying(monkeypatch, fn, (False,), ["x"], capture=_capture_rewriting)
+    runner = _runner_replaying(monkeypatch, fn, (False,), ["x"], capture=_capture_taped)
     runner.gradient_graphs.add("CUDAGraph1")
     first, second, tripled = runner.call_cuda_graph("CUDAGraph1", torch.ones(4))
     (replayed,) = runner.replayed.values()
@@ -434,7 +487,7 @@ def test_a_retained_output_gradient_is_each_steps_own(monkeypatch):
     """Each replay returns a new tensor over the graph's memory, so the gradient ``retain_grad``
     keeps on it is that step's, as without graphs (Thunder's runner returned one tensor on every
     replay, whose retained gradient was wrong from the second step on)."""
-    monkeypatch.setattr(CUDAGraphRunner, "build_cuda_graph", _capture_rewriting)
+    monkeypatch.setattr(CUDAGraphRunner, "build_cuda_graph", _capture_taped)
     runs = []
     for transforms in ([], [TEv2CUDAGraphTransform()]):
         torch.manual_seed(0)
@@ -451,3 +504,82 @@ def test_a_retained_output_gradient_is_each_steps_own(monkeypatch):
         runs.append(kept)
     for without, with_graphs in zip(*runs, strict=True):
         assert torch.equal(with_graphs, without)
+
+
+def _peft_llama() -> torch.nn.Module:
+    """The tiny Llama with peft LoRA on every projection."""
+    peft = pytest.importorskip("peft", reason="needs peft (the [bench] extra)")
+    projections = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    return peft.get_peft_model(
+        tiny_llama(32, torch.float32), peft.LoraConfig(r=4, target_modules=projections)
+    )
+
+
+_TRAINED = {
+    "checkpointed": (lambda: Checkpointed(DIM), thunder.jit),
+    "lora": (lambda: LoRAStack([DIM] * 3, rank=16), thunder.jit),
+    "stack": (lambda: Stack([DIM] * 4), thunder.jit),
+    "tied": (lambda: SharedWeight(DIM), thunder.jit),
+    "sliced": (lambda: _Sliced(DIM), thunder.jit),
+    "llama": (lambda: tiny_llama(32, torch.float32), thunderfx),
+    "llama lora": (_peft_llama, thunderfx),
+}
+
+
+@pytest.mark.parametrize("model_name", sorted(_TRAINED))
+def test_replays_train_as_the_same_steps_without_graphs(monkeypatch, model_name, dynamo_reset_after):
+    """Four SGD steps whose graphs replay what their capture ran and nothing else (``_Tape``)
+    give the losses and gradients of the same steps without graphs (every recast made in both,
+    ``tests/conftest.py``).
+    A graph's function took each object's name from every trace its symbols were printed in: the
+    checkpointed stack's captured backward quantized one linear's gradient with another linear's
+    delayed-scaling state, which parted the two runs from the second step."""
+    pytest.importorskip("transformers", reason="needs transformers (the [bench] extra)")
+    monkeypatch.setattr(CUDAGraphRunner, "build_cuda_graph", _capture_taped)
+    build, compile_ = _TRAINED[model_name]
+    runs = []
+    for transforms in ([], [TEv2CUDAGraphTransform()]):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = build()
+        te_v2 = make_te_v2(backend="reference", claim=CLAIM_ALL)
+        compiled = compile_(model, executors=[te_v2], transforms=transforms)
+        trained = [p for p in model.parameters() if p.requires_grad]
+        opt = torch.optim.SGD(trained, lr=0.5)
+        steps = []
+        for step in range(4):
+            generator = torch.Generator().manual_seed(step)
+            if compile_ is thunderfx:
+                ids = torch.randint(0, 64, (2, 8), generator=generator)
+                loss = compiled(input_ids=ids, labels=ids, use_cache=False).loss
+            else:
+                loss = compiled(torch.randn(TOKENS, DIM, generator=generator)).square().mean()
+            loss.backward()
+            steps.append([loss.detach().clone(), *(p.grad.clone() for p in trained)])
+            opt.step()
+            opt.zero_grad()
+        runs.append(steps)
+    assert transforms[0].cuda_graph_runner.cuda_graph_cache, "nothing was captured"
+    for step, (without, with_graphs) in enumerate(zip(*runs, strict=True)):
+        for a, b in zip(without, with_graphs, strict=True):
+            assert torch.equal(b, a), f"step {step}"
+
+
+def test_a_graphs_function_names_each_object_after_its_own_trace(monkeypatch):
+    """Each quantization state a graph's function passes is one global of it, under one name: the
+    recomputed forward of a checkpointed linear, a copy of the forward's symbol, brought the name
+    the forward trace gave its state, which the graph's own trace gave another linear's."""
+    monkeypatch.setattr(CUDAGraphRunner, "build_cuda_graph", _capture_taped)
+    transform = TEv2CUDAGraphTransform()
+    te_v2 = make_te_v2(backend="reference", claim=CLAIM_ALL)
+    jitted = thunder.jit(Checkpointed(DIM), executors=[te_v2], transforms=[transform])
+    jitted(torch.randn(TOKENS, DIM)).square().mean().backward()
+    runner = transform.cuda_graph_runner
+    for name, (bsyms, _, _) in runner.trace_symbols.items():
+        used = {id(s) for b in bsyms for s in tree_leaves(b.kwargs) if isinstance(s, LinearQuantState)}
+        named = [
+            id(v)
+            for v in inspect.unwrap(runner.python_callables[name][0]).__globals__.values()
+            if isinstance(v, LinearQuantState)
+        ]
+        assert used and sorted(named) == sorted(used), name
