@@ -62,6 +62,7 @@ from thunder.transforms.cudagraph import CUDAGraphRunner, CUDAGraphTransform
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
 from te_v2_executor.passes._writes import Writes, written_tensor
+from te_v2_executor.state import LinearQuantState, current_amaxes_kept
 from te_v2_executor.symbols import SYNC_SYMBOLS
 
 
@@ -119,9 +120,10 @@ class TEv2CUDAGraphTransform(CUDAGraphTransform):
         return fused
 
     def _tell_written_arguments(self, fused: TraceCtx, writes: Writes) -> None:
-        """Tells the runner which arguments each of ``fused``'s graphs writes into where the caller
-        sees it: an input of the trace, or what may share its storage (``writes`` is over the
-        trace before fusion, fusions unfolded)."""
+        """Tells the runner which arguments each of ``fused``'s graphs writes into, or into what
+        may share their storage: an input of the trace, or a tensor made before the graph, which
+        other names of it may read after (``writes`` is over the trace before fusion, fusions
+        unfolded)."""
         for bsym in fused.bound_symbols:
             if bsym.sym.executor is not self:
                 continue
@@ -129,9 +131,7 @@ class TEv2CUDAGraphTransform(CUDAGraphTransform):
                 writes.root(t) for b in _unfused(bsym.subsymbols) if (t := written_tensor(b)) is not None
             }
             self.cuda_graph_runner.written_arguments[bsym.sym.name] = tuple(
-                i
-                for i, p in enumerate(bsym.args)
-                if isinstance(p, TensorProxy) and writes.root(p) in written and not writes.made_here(p)
+                i for i, p in enumerate(bsym.args) if isinstance(p, TensorProxy) and writes.root(p) in written
             )
 
     def _backward_graphs(self, trace: TraceCtx, **kwargs) -> TraceCtx:
@@ -153,7 +153,8 @@ class _Replayed:
     in place, those with an address with it at capture, the buffers of its arguments by position,
     the outputs it marks as written (a forward's that no argument shares storage with) and the
     positions among the outputs' leaves of those that are plain tensors, the outputs a backward
-    graph hands to autograd over its memory and the positions of those it copies. ``outputs``,
+    graph hands to autograd over its memory and the positions of those it copies, and the outputs
+    over an argument's copy with that argument's position (``_CheckedRunner._aliased``). ``outputs``,
     the graph's static outputs, is held so that its ``id``, the runner's key for this entry, stays
     its own."""
 
@@ -165,6 +166,7 @@ class _Replayed:
     fresh: list[int] = field(default_factory=list)
     handed: list[_Handed] = field(default_factory=list)
     copied: list[int] = field(default_factory=list)
+    aliased: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass
@@ -197,7 +199,14 @@ class _CheckedRunner(CUDAGraphRunner):
     Of the arguments a graph writes into (``written_arguments``, by graph and position), one it
     reads from a copy is written back from the copy after each replay, and one it reads in place
     (a buffer ``thunder.jit`` passes as it is) gets back the values it had before the capture,
-    whose warm-up calls wrote into it.
+    whose warm-up calls wrote into it. An output over the memory of an argument the graph reads
+    from a copy (the argument returned as it is, or a view of it: Thunder returns the input an
+    in-place write goes to, and a flush between two graphs passes it on) is returned over the
+    caller's argument, not the copy, so that a later graph's write reaches the caller's tensor.
+    Arguments over one memory are read from views of one copy, or all in place where one is.
+    The amaxes the warm-up calls recorded into te_v2's quantization states are put back too, as
+    the first replay records them again: the warm-ups need not quantize the same values (each
+    writes once more into an input the graph writes into, and dropout draws anew).
 
     The graphs named in ``gradient_graphs`` (backward graphs) return each output that shares
     storage with nothing else they read or return as a new tensor over the graph's memory, which
@@ -217,12 +226,32 @@ class _CheckedRunner(CUDAGraphRunner):
         self.written_arguments: dict[str, tuple[int, ...]] = {}
         self.gradient_graphs: set[str] = set()
         self.copy_gradients = copy_gradients
+        self._shared: dict[int, torch.Tensor] = {}
 
     def make_cache_key(self, fn_name: str, *args: Any) -> tuple:
         """Thunder's key (the graph, which arguments it reads in place, the layouts of all), with
-        what each argument read in place is (``_identity``)."""
+        what each argument read in place is (``_identity``) and which arguments share memory
+        (``_sharing``)."""
         key = super().make_cache_key(fn_name, *args)
-        return (*key, tuple(_identity(a) for a, fixed in zip(args, key[1], strict=True) if fixed))
+        fixed = tuple(_identity(a) for a, in_place in zip(args, key[1], strict=True) if in_place)
+        return (*key, fixed, _sharing(args))
+
+    def make_static_inputs_mask(self, fn_name: str, *args: Any) -> tuple[bool, ...]:
+        """Thunder's (parameters, and the saved tensors the forward's graphs hold), and each
+        argument over the memory of one of those: a copy of it would not see a write through the
+        other."""
+        mask = super().make_static_inputs_mask(fn_name, *args)
+        fixed = {_address(a, storage=True) for a, in_place in zip(args, mask, strict=True) if in_place}
+        return tuple(
+            in_place or _address(a, storage=True) in fixed - {None}
+            for a, in_place in zip(args, mask, strict=True)
+        )
+
+    def get_static_buffer(self, x: Any) -> Any:
+        """Thunder's copy of an argument, or, for one that shares memory with another the graph
+        reads from a copy, its view of the copy they share (``_shared_copies``)."""
+        shared = self._shared.get(id(x))
+        return super().get_static_buffer(x) if shared is None else shared.copy_(x)
 
     def make_python_callable_from_symbols(
         self, fn_name: str, bsyms: list[BoundSymbol], inputs: list[Any], outputs: list[Any]
@@ -262,20 +291,29 @@ class _CheckedRunner(CUDAGraphRunner):
     def build_cuda_graph(self, fn: Callable, args: list[Any], static_args_mask: tuple[bool, ...]) -> tuple:
         name = next(name for name, (callable_, _) in self.python_callables.items() if callable_ is fn)
         in_place_writes = [i for i in self.written_arguments.get(name, ()) if static_args_mask[i]]
-        with torch.no_grad():
+        states = {
+            id(s): s
+            for b in self.trace_symbols[name][0]
+            for s in tree_leaves(b.kwargs)
+            if isinstance(s, LinearQuantState)
+        }
+        self._shared = _shared_copies(args, static_args_mask)
+        with torch.no_grad(), current_amaxes_kept(states.values()):
             values = [args[i].clone() for i in in_place_writes]
             built = super().build_cuda_graph(fn, args, static_args_mask)
             for i, value in zip(in_place_writes, values, strict=True):
                 args[i].copy_(value)
+        self._shared = {}
         outputs = built[2]
         in_place = [i for i, static in enumerate(static_args_mask) if static]
         fixed = [(i, args[i], at) for i in in_place if (at := _address(args[i])) is not None]
-        read = {_address(a, storage=True) for a in args} - {None}
         leaves = tree_leaves(outputs)
         replayed = _Replayed(outputs, frozenset(in_place), fixed, built[1])
+        replayed.aliased = self._aliased(name, leaves, built[1], args, in_place)
+        read = {_address(a, storage=True) for a in (*args, *built[1])} - {None}
         if name in self.gradient_graphs:
             replayed.handed = [] if self.copy_gradients else _handed(leaves, read)
-            kept = {h.position for h in replayed.handed}
+            kept = {h.position for h in replayed.handed} | {at for at, _ in replayed.aliased}
             replayed.copied = [
                 i for i, t in enumerate(leaves) if i not in kept and _address(t, storage=True) is not None
             ]
@@ -291,6 +329,37 @@ class _CheckedRunner(CUDAGraphRunner):
             replayed.fresh = [i for i in marked if type(leaves[i]) is torch.Tensor]
         self.replayed[id(outputs)] = replayed
         return built
+
+    def _aliased(
+        self, name: str, leaves: list[Any], copies: tuple[Any, ...], args: list[Any], in_place: list[int]
+    ) -> list[tuple[int, int]]:
+        """The outputs over the memory of an argument the graph reads from a copy (an input
+        returned as it is, or a view of it), as (position among ``leaves``, argument): each call
+        returns them over the caller's argument, as the same call without graphs does, where the
+        graph's would hold its copy.
+
+        Raises where the copy's layout differs from the argument's, so that no view of the copy
+        maps onto the argument.
+        """
+        copied = {
+            at: i
+            for i, copy in enumerate(copies)
+            if i not in in_place and (at := _address(copy, storage=True)) is not None
+        }
+        aliased = [
+            (position, copied[at])
+            for position, t in enumerate(leaves)
+            if (at := _address(t, storage=True)) in copied
+        ]
+        for position, i in aliased:
+            if (copies[i].stride(), copies[i].dtype) != (args[i].stride(), leaves[position].dtype):
+                argument = getattr(self.trace_symbols[name][1][i], "name", f"argument {i}")
+                raise RuntimeError(
+                    f"te_v2: CUDA graph {name} returns a view of {argument}, which it reads from a copy "
+                    "of another layout or as another dtype, so the view cannot be given over the "
+                    "argument itself. Leave TEv2CUDAGraphTransform out for this function."
+                )
+        return aliased
 
     def call_cuda_graph(self, fn_name: str, *args: Any) -> Any:
         """Thunder's call (a capture on the first call with these arguments, then a replay), with
@@ -316,7 +385,7 @@ class _CheckedRunner(CUDAGraphRunner):
             with torch.no_grad():
                 for i in copied_back:
                     args[i].copy_(replayed.inputs[i])
-        return _hand_over(replayed, held)
+        return _hand_over(replayed, held, args)
 
     def _check_in_place(self, fn_name: str, replayed: _Replayed) -> None:
         """Raises if an argument ``fn_name`` reads in place is no longer where it was captured."""
@@ -368,11 +437,16 @@ def _held(replayed: _Replayed) -> dict[int, torch.Tensor]:
     return held
 
 
-def _hand_over(replayed: _Replayed, held: dict[int, torch.Tensor]) -> Any:
+def _hand_over(replayed: _Replayed, held: dict[int, torch.Tensor], args: tuple[Any, ...]) -> Any:
     """The graph's outputs, each handed output a new tensor over the graph's memory, or, where
     that memory is still read (``held``), a copy of what the replay wrote, with the memory given
-    back its values; each copied output a copy, each fresh one a new tensor over its memory."""
+    back its values; each copied output a copy, each fresh one a new tensor over its memory; each
+    aliased one the same view of the caller's argument (``args``)."""
     leaves, spec = tree_flatten(replayed.outputs)
+    for position, i in replayed.aliased:
+        out, copy, given = leaves[position], replayed.inputs[i], args[i]
+        offset = given.storage_offset() + out.storage_offset() - copy.storage_offset()
+        leaves[position] = given.as_strided(out.size(), out.stride(), offset)
     for i in replayed.copied:
         leaves[i] = leaves[i].clone()
     for i in replayed.fresh:
@@ -391,13 +465,59 @@ def _hand_over(replayed: _Replayed, held: dict[int, torch.Tensor]) -> Any:
 
 def _address(t: Any, *, storage: bool = False) -> int | None:
     """Where ``t``'s first element is (with ``storage``, where its storage starts), or None for
-    what has no storage (not a tensor, a wrapper subclass)."""
+    what has no memory (not a tensor, a wrapper subclass, an empty storage: every one of those is
+    at 0, so none shares memory with another)."""
     if not isinstance(t, torch.Tensor):
         return None
     try:
-        return t.untyped_storage().data_ptr() if storage else t.data_ptr()
+        return (t.untyped_storage().data_ptr() if storage else t.data_ptr()) or None
     except (RuntimeError, NotImplementedError):
         return None
+
+
+def _sharing(args: tuple[Any, ...]) -> tuple[tuple[int, int] | None, ...]:
+    """For each argument over the memory of an earlier one, that one's position and how far from
+    its start this one starts; None for the others. A graph whose arguments share memory reads
+    them from views of one copy, and one whose arguments do not, from copies of their own."""
+    first: dict[int, int] = {}
+    found = []
+    for i, a in enumerate(args):
+        at = _address(a, storage=True)
+        j = i if at is None else first.setdefault(at, i)
+        found.append(None if j == i else (j, a.storage_offset() - args[j].storage_offset()))
+    return tuple(found)
+
+
+def _shared_copies(args: list[Any], static_args_mask: tuple[bool, ...]) -> dict[int, torch.Tensor]:
+    """Copies for the arguments a graph reads from copies that share memory with one another (by
+    ``id``): views of one buffer laid out over it as the arguments are over their memory, so that
+    a write through one is read through the others, as without graphs, and each gets back the
+    other's writes when they are written back. Thunder's runner copied each on its own: the view
+    an in-place add wrote into was written back, then the copy of the whole tensor over it."""
+    groups: dict[int, list[torch.Tensor]] = {}
+    for a, in_place in zip(args, static_args_mask, strict=True):
+        if not in_place and (at := _address(a, storage=True)) is not None:
+            groups.setdefault(at, []).append(a)
+    views = {}
+    for members in (m for m in groups.values() if len(m) > 1):
+        if len({t.dtype for t in members}) > 1:
+            raise RuntimeError(
+                "te_v2: a CUDA graph reads arguments of different dtypes over one memory, which it "
+                "cannot copy as one. Leave TEv2CUDAGraphTransform out for this function."
+            )
+        start = min(t.storage_offset() for t in members)
+        end = max(t.storage_offset() + _extent(t) for t in members)
+        buffer = torch.empty(end - start, dtype=members[0].dtype, device=members[0].device)
+        for t in members:
+            views[id(t)] = buffer.as_strided(t.size(), t.stride(), t.storage_offset() - start)
+    return views
+
+
+def _extent(t: torch.Tensor) -> int:
+    """How many elements from its first one ``t`` spans in its memory."""
+    return (
+        0 if t.numel() == 0 else 1 + sum((n - 1) * step for n, step in zip(t.size(), t.stride(), strict=True))
+    )
 
 
 def _identity(t: Any) -> int:

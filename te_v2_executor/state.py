@@ -137,6 +137,28 @@ class LinearQuantState:
                     found[f"{direction}.{name}"] = value.detach().clone()
         return found
 
+    def current_amaxes(self) -> dict[bool, torch.Tensor | None]:
+        """A copy of each direction's current amax row (what its casts record until the next
+        flush), by ``forward``; for a direction not used yet, the row it will start from (loaded,
+        or None: zeros). Stateless recipes have none."""
+        found = {}
+        for forward in (True, False):
+            scaling = self.scaling(forward=forward)
+            if scaling is None:
+                loaded = self._loaded.get(forward, {}).get("amax_history")
+                found[forward] = None if loaded is None else loaded[0].clone()
+            elif scaling.amax_history is not None:
+                found[forward] = scaling.amax_history[0].clone()
+        return found
+
+    def restore_current_amaxes(self, saved: dict[bool, torch.Tensor | None]) -> None:
+        """Put back the rows ``current_amaxes`` copied."""
+        for forward, row in saved.items():
+            scaling = self.scaling(forward=forward)
+            if scaling is not None and scaling.amax_history is not None:
+                current = scaling.amax_history[0]
+                current.zero_() if row is None else current.copy_(row)
+
     def load(self, direction: str, name: str, value: torch.Tensor) -> None:
         """Overwrite one delayed-scaling tensor in place (the kernels and CUDA graphs hold it),
         or keep a copy for when its direction is first used."""
@@ -259,6 +281,24 @@ def update_delayed_scaling(states: Iterable[LinearQuantState], *, forward: bool)
     ):
         torch.distributed.all_reduce(amax, op=torch.distributed.ReduceOp.MAX, group=group)
     first.numerics.update_delayed_scaling(amax, histories, scales, first.recipe, forward=forward)
+
+
+@contextlib.contextmanager
+def current_amaxes_kept(states: Iterable[LinearQuantState]) -> Iterator[None]:
+    """The amaxes ``states`` record inside the block undone on exit (each direction's current row
+    as it was before, or as a direction first used inside started).
+
+    For the warm-up calls before a CUDA graph capture: they quantize what the graph's first replay
+    quantizes again, but not always the same values (an input the graph writes into in place is
+    written once per call, dropout draws anew), and a larger amax recorded there would set the
+    next scale as no step without graphs does.
+    """
+    saved = [(s, s.current_amaxes()) for s in states]
+    try:
+        yield
+    finally:
+        for state, rows in saved:
+            state.restore_current_amaxes(rows)
 
 
 class _Deferred:

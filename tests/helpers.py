@@ -9,6 +9,8 @@ from typing import Any
 
 import thunder
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from te_v2_executor import ClaimPolicy
 from te_v2_executor.backends import Backend, reference
@@ -204,7 +206,7 @@ def assert_like_eager(
     jitted = jit(model, executors=executors)
     with torch.set_grad_enabled(grad):
         expected, actual = model(x.clone()), jitted(x.clone())
-    expected, actual = torch.utils._pytree.tree_leaves(expected), torch.utils._pytree.tree_leaves(actual)
+    expected, actual = tree_leaves(expected), tree_leaves(actual)
     for e, a in zip(expected, actual, strict=True):
         torch.testing.assert_close(a, e, **tols)
     if not grad:
@@ -314,3 +316,49 @@ def assert_resume_continues_bitwise(
         assert torch.equal(p, q), name
     assert_state_dicts_equal(quantization_state_dict(resumed_jitted), quantization_state_dict(jitted))
     return saved
+
+
+class TapedGraph(TorchDispatchMode):
+    """The ATen operations a "capture" runs, each with the tensors it ran on, so that a "replay"
+    runs them again on the same tensors and nothing else: like a CUDA graph's, it runs no Python
+    of the traced function, so whatever that Python decided at capture holds on every replay.
+    Only operations that go through the dispatcher are seen (not Inductor's CPU kernels)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[tuple[Any, tuple, dict, Any]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            raise RuntimeError("a value read to the host while capturing, which a CUDA graph cannot")
+        out = func(*args, **(kwargs or {}))
+        self.ops.append((func, args, kwargs or {}, out))
+        return out
+
+    def replay(self) -> None:
+        with torch.no_grad():
+            for func, args, kwargs, out in self.ops:
+                new = func(*args, **kwargs)
+                for mine, value in zip(tree_leaves(out), tree_leaves(new), strict=True):
+                    if isinstance(mine, torch.Tensor) and not _same_memory(mine, value):
+                        mine.copy_(value)
+
+
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+def capture_taped(self: Any, fn: Callable, args: list[Any], static_args_mask: tuple[bool, ...]) -> tuple:
+    """A CPU stand-in for ``CUDAGraphRunner.build_cuda_graph`` (monkeypatched in): as Thunder's,
+    three warm-up calls on the runner's copies of the arguments it does not read in place, then one
+    call taped (``TapedGraph``), whose outputs the replays rewrite."""
+    static = tuple(
+        a if in_place else self.get_static_buffer(a)
+        for a, in_place in zip(args, static_args_mask, strict=True)
+    )
+    for _ in range(3):
+        fn(*static)
+    tape = TapedGraph()
+    with tape:
+        outputs = fn(*static)
+    return tape, static, outputs

@@ -7,6 +7,7 @@ on the trace, which the reference backend builds on the CPU.
 from __future__ import annotations
 
 import inspect
+from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
 
@@ -17,16 +18,22 @@ from thunder.core import prims
 from thunder.core.proxies import ProxyTag
 from thunder.core.trace import from_trace
 from thunder.transforms.cudagraph import CUDAGraphRunner, CUDAGraphTransform
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from te_v2_executor import TEv2CUDAGraphTransform, make_te_v2, thunderfx
+from te_v2_executor import (
+    ClaimPolicy,
+    TEv2CUDAGraphTransform,
+    delayed_scaling,
+    make_te_v2,
+    quantization_state_dict,
+    thunderfx,
+)
 from te_v2_executor.backends.reference import ReferenceQuantizedTensor
 from te_v2_executor.cuda_graphs import _saved_tensors
 from te_v2_executor.inductor import inductor_ex
 from te_v2_executor.state import LinearQuantState
 from te_v2_executor.symbols import BACKWARD_SYNC, FORWARD_SYNC, LINEAR_FWD, RECAST_WEIGHTS, arg
-from tests.helpers import CLAIM_ALL, backward_trace, forward_trace
+from tests.helpers import CLAIM_ALL, backward_trace, capture_taped, forward_trace
 from tests.models import BrokenBlock, Checkpointed, LoRAStack, SharedWeight, Stack, tiny_llama
 
 DIM, TOKENS = 64, 32
@@ -271,51 +278,6 @@ def _capture_rewriting(self, fn, args, static_args_mask):
     return SimpleNamespace(replay=replay), static, outputs
 
 
-class _Tape(TorchDispatchMode):
-    """The ATen operations a "capture" runs, each with the tensors it ran on, so that a "replay"
-    runs them again on the same tensors and nothing else: like a CUDA graph's, it runs no Python
-    of the traced function, so whatever that Python decided at capture holds on every replay.
-    Only operations that go through the dispatcher are seen (not Inductor's CPU kernels)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: list[tuple[Any, tuple, dict, Any]] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten._local_scalar_dense.default:
-            raise RuntimeError("a value read to the host while capturing, which a CUDA graph cannot")
-        out = func(*args, **(kwargs or {}))
-        self.ops.append((func, args, kwargs or {}, out))
-        return out
-
-    def replay(self) -> None:
-        with torch.no_grad():
-            for func, args, kwargs, out in self.ops:
-                new = func(*args, **kwargs)
-                for mine, value in zip(tree_leaves(out), tree_leaves(new), strict=True):
-                    if isinstance(mine, torch.Tensor) and not _same_memory(mine, value):
-                        mine.copy_(value)
-
-
-def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
-
-
-def _capture_taped(self, fn, args, static_args_mask):
-    """A "capture" as Thunder's: three warm-up calls on the runner's copies of the arguments it
-    does not read in place, then one call taped (``_Tape``), whose outputs the replays rewrite."""
-    static = tuple(
-        a if in_place else self.get_static_buffer(a)
-        for a, in_place in zip(args, static_args_mask, strict=True)
-    )
-    for _ in range(3):
-        fn(*static)
-    tape = _Tape()
-    with tape:
-        outputs = fn(*static)
-    return tape, static, outputs
-
-
 @pytest.mark.parametrize("grad", [False, True])
 def test_a_region_called_for_several_layers_gets_a_graph_for_each(monkeypatch, grad, dynamo_reset_after):
     """Thunder's runner found the first block's graph for every block (same layouts) and copied
@@ -396,7 +358,7 @@ def test_gradients_are_the_graphs_memory_and_keep_their_values(monkeypatch, loop
     ``torch.autograd.grad`` and kept) reads what it read before: every gradient of three steps,
     kept as autograd left it, equals the same steps' without graphs. With ``copy_gradients`` too,
     where the kept gradients were the graph's outputs themselves before the hand-over existed."""
-    monkeypatch.setattr(CUDAGraphRunner, "build_cuda_graph", _capture_taped)
+    monkeypatch.setattr(CUDAGraphRunner, "build_cuda_graph", capture_taped)
     runs, addresses = [], []
     for transforms in ([], [TEv2CUDAGraphTransform(copy_gradients=copy_gradients)]):
         torch.manual_seed(0)
@@ -435,7 +397,7 @@ def test_gradients_are_the_graphs_memory_and_keep_their_values(monkeypatch, loop
 
 
 def test_copy_gradients_has_autograd_copy_them(monkeypatch):
-    monkeypatch.setattr(CUDAGraphRunner, "build_cuda_graph", _capture_taped)
+    monkeypatch.setattr(CUDAGraphRunner, "build_cuda_graph", capture_taped)
     model = Stack([DIM] * 3)
     transform = TEv2CUDAGraphTransform(copy_gradients=True)
     compiled = thunder.jit(
@@ -462,7 +424,7 @@ def test_a_backward_graph_hands_over_memory_no_other_output_shares(monkeypatch):
         pair = torch.stack([x, x + 1])
         return pair[0], pair[1], x * 3
 
-    runner = _runner_replaying(monkeypatch, fn, (False,), ["x"], capture=_capture_taped)
+    runner = _runner_replaying(monkeypatch, fn, (False,), ["x"], capture=capture_taped)
     runner.gradient_graphs.add("CUDAGraph1")
     first, second, tripled = runner.call_cuda_graph("CUDAGraph1", torch.ones(4))
     (replayed,) = runner.replayed.values()
@@ -483,18 +445,23 @@ def test_a_backward_graph_hands_over_memory_no_other_output_shares(monkeypatch):
     assert torch.empty(0).set_(storage, 0, (4,), (1,)).tolist() == [12.0] * 4
 
 
+def _stacks_without_and_with_graphs(monkeypatch) -> Iterator[tuple[torch.nn.Module, Any]]:
+    """A stack of three linears from one seed, compiled by te_v2 without graphs, then with them
+    (taped)."""
+    monkeypatch.setattr(CUDAGraphRunner, "build_cuda_graph", capture_taped)
+    for transforms in ([], [TEv2CUDAGraphTransform()]):
+        torch.manual_seed(0)
+        model = Stack([DIM] * 3)
+        te_v2 = make_te_v2(backend="reference", claim=CLAIM_ALL)
+        yield model, thunder.jit(model, executors=[te_v2], transforms=transforms)
+
+
 def test_a_retained_output_gradient_is_each_steps_own(monkeypatch):
     """Each replay returns a new tensor over the graph's memory, so the gradient ``retain_grad``
     keeps on it is that step's, as without graphs (Thunder's runner returned one tensor on every
     replay, whose retained gradient was wrong from the second step on)."""
-    monkeypatch.setattr(CUDAGraphRunner, "build_cuda_graph", _capture_taped)
     runs = []
-    for transforms in ([], [TEv2CUDAGraphTransform()]):
-        torch.manual_seed(0)
-        model = Stack([DIM] * 3)
-        compiled = thunder.jit(
-            model, executors=[make_te_v2(backend="reference", claim=CLAIM_ALL)], transforms=transforms
-        )
+    for _, compiled in _stacks_without_and_with_graphs(monkeypatch):
         kept = []
         for step in range(3):
             y = compiled(torch.randn(TOKENS, DIM, generator=torch.Generator().manual_seed(step)))
@@ -528,14 +495,14 @@ _TRAINED = {
 
 @pytest.mark.parametrize("model_name", sorted(_TRAINED))
 def test_replays_train_as_the_same_steps_without_graphs(monkeypatch, model_name, dynamo_reset_after):
-    """Four SGD steps whose graphs replay what their capture ran and nothing else (``_Tape``)
+    """Four SGD steps whose graphs replay what their capture ran and nothing else (``tests.helpers.TapedGraph``)
     give the losses and gradients of the same steps without graphs (every recast made in both,
     ``tests/conftest.py``).
     A graph's function took each object's name from every trace its symbols were printed in: the
     checkpointed stack's captured backward quantized one linear's gradient with another linear's
     delayed-scaling state, which parted the two runs from the second step."""
     pytest.importorskip("transformers", reason="needs transformers (the [bench] extra)")
-    monkeypatch.setattr(CUDAGraphRunner, "build_cuda_graph", _capture_taped)
+    monkeypatch.setattr(CUDAGraphRunner, "build_cuda_graph", capture_taped)
     build, compile_ = _TRAINED[model_name]
     runs = []
     for transforms in ([], [TEv2CUDAGraphTransform()]):
@@ -569,7 +536,7 @@ def test_a_graphs_function_names_each_object_after_its_own_trace(monkeypatch):
     """Each quantization state a graph's function passes is one global of it, under one name: the
     recomputed forward of a checkpointed linear, a copy of the forward's symbol, brought the name
     the forward trace gave its state, which the graph's own trace gave another linear's."""
-    monkeypatch.setattr(CUDAGraphRunner, "build_cuda_graph", _capture_taped)
+    monkeypatch.setattr(CUDAGraphRunner, "build_cuda_graph", capture_taped)
     transform = TEv2CUDAGraphTransform()
     te_v2 = make_te_v2(backend="reference", claim=CLAIM_ALL)
     jitted = thunder.jit(Checkpointed(DIM), executors=[te_v2], transforms=[transform])
@@ -583,3 +550,99 @@ def test_a_graphs_function_names_each_object_after_its_own_trace(monkeypatch):
             if isinstance(v, LinearQuantState)
         ]
         assert used and sorted(named) == sorted(used), name
+
+
+def test_arguments_over_one_memory_are_read_from_one_copy(monkeypatch):
+    """A graph given a tensor and a view of it, writing through the view and returning the
+    tensor: the write reaches the caller's tensor (Thunder's runner copied each argument on its
+    own and wrote both copies back, the unwritten one last), and the returned tensor is the
+    caller's, not the graph's copy. Arguments that share no memory get a graph of their own."""
+
+    def fn(view, whole):
+        view.add_(1)
+        return (whole,)
+
+    runner = _runner_replaying(monkeypatch, fn, (False, False), ["view", "whole"], capture=capture_taped)
+    runner.written_arguments["CUDAGraph1"] = (0,)
+    for step in range(1, 3):
+        x = torch.zeros(4, 4)
+        (out,) = runner.call_cuda_graph("CUDAGraph1", x[1], x)
+        assert torch.equal(x[1], torch.ones(4)) and out.data_ptr() == x.data_ptr(), step
+    x, y = torch.zeros(4), torch.zeros(4, 4)
+    (out,) = runner.call_cuda_graph("CUDAGraph1", x, y)
+    assert torch.equal(x, torch.ones(4)) and out.data_ptr() == y.data_ptr()
+    assert len(runner.cuda_graph_cache) == 2
+
+
+class _WritesInPlace(torch.nn.Module):
+    """Frozen linears around an in-place write (found by ``python -m tests.fuzz --graphs``): into
+    the input, twice, before a linear reads it; into a view of the input, after; into an
+    intermediate another output was computed from, by linears te_v2 leaves to Thunder (8
+    features), between the forward sync and the write."""
+
+    def __init__(self, written: str) -> None:
+        super().__init__()
+        self.written = written
+        self.l0 = torch.nn.Linear(DIM, DIM, bias=False).requires_grad_(False)
+        self.l1 = torch.nn.Linear(DIM, DIM).requires_grad_(False)
+        self.narrow = torch.nn.Linear(DIM, 8, bias=False).requires_grad_(False)  # left to Thunder
+        self.wide = torch.nn.Linear(8, DIM, bias=False).requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if self.written == "input":
+            x.mul_(2.0)
+            x.mul_(2.0)
+            return (self.l0(x),)
+        if self.written == "view of the input":
+            v0 = self.l0(x)
+            v4 = x.view(4, -1, DIM)
+            v5 = self.l1(v4)
+            v4.add_(v5)
+            return v5, v0, v4
+        v5 = self.l0(x)
+        v8 = self.wide(self.narrow(v5))
+        v9 = v8 * 0.5
+        v10 = self.l1(v5) + v9
+        v9.copy_(v8)
+        return v10, v9
+
+
+@pytest.mark.parametrize("written", ["input", "view of the input", "intermediate"])
+def test_graphs_writing_in_place_compute_as_without_graphs(monkeypatch, written):
+    """Three delayed-scaling steps, outputs, inputs after the call and scaling states bitwise as
+    without graphs. The warm-up calls before a capture doubled the input again each time, and the
+    amaxes they recorded set the next step's scale; a view of the input written in a later graph
+    did not reach the caller's input."""
+    monkeypatch.setattr(CUDAGraphRunner, "build_cuda_graph", capture_taped)
+    runs = []
+    for transforms in ([], [TEv2CUDAGraphTransform()]):
+        torch.manual_seed(0)
+        claim = ClaimPolicy(min_features=16)
+        te_v2 = make_te_v2(backend="reference", claim=claim, recipe=delayed_scaling(amax_history_len=4))
+        jitted = thunder.jit(_WritesInPlace(written), executors=[te_v2], transforms=transforms)
+        steps = []
+        for step in range(3):
+            x = torch.randn(TOKENS, DIM, generator=torch.Generator().manual_seed(step))
+            steps.append([*(o.clone() for o in jitted(x)), x])
+        runs.append((steps, quantization_state_dict(jitted)))
+    (without, states), (with_graphs, graphed_states) = runs
+    for step, (a, b) in enumerate(zip(without, with_graphs, strict=True)):
+        assert all(map(torch.equal, b, a)), step
+    assert states.keys() == graphed_states.keys()
+    for name, value in states.items():
+        assert torch.equal(graphed_states[name], value), name
+
+
+def test_batches_of_no_rows_replay_as_without_graphs(monkeypatch):
+    """Batches of 16, 0, 16 and 0 rows, gradients accumulating: every tensor of no elements is
+    at address 0, so none may count as sharing memory with another (they were taken for views of
+    one another's copies, and refused)."""
+    runs = []
+    for model, jitted in _stacks_without_and_with_graphs(monkeypatch):
+        seen = []
+        for step, rows in enumerate([16, 0, 16, 0]):
+            x = torch.randn(rows, DIM, generator=torch.Generator().manual_seed(step), requires_grad=True)
+            jitted(x).square().sum().backward()
+            seen += [x.grad, *(p.grad.clone() for p in model.parameters())]
+        runs.append(seen)
+    assert all(map(torch.equal, *runs))

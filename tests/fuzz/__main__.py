@@ -38,8 +38,17 @@ def main(argv: list[str] | None = None) -> int:
         default="none",
         help="te_v2 alone, or followed by torch.compile's executor with thunderfx's dataflow fusion",
     )
+    parser.add_argument(
+        "--graphs",
+        action="store_true",
+        help="each program also under TEv2CUDAGraphTransform, captured by a CPU tape (--fuser none only)",
+    )
     parser.add_argument("-v", "--verbose", action="store_true", help="one line per program")
     args = parser.parse_args(argv)
+    if args.graphs and args.fuser != "none":
+        parser.error(
+            "--graphs needs --fuser none: the CPU tape that stands in for a graph cannot see Inductor's kernels"
+        )
 
     if args.show is not None:
         from tests.fuzz.oracle import check
@@ -47,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
 
         program = dataclasses.replace(generate(args.seed, args.show), fusing=FUSINGS[args.fuser])
         print(program.source())
-        print(check(program, delayed=True))
+        print(check(program, delayed=True, graphs=args.graphs))
         return 0
 
     worst: dict[tuple[str, str], float] = defaultdict(float)
@@ -85,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         start=args.start,
         shrink_budget_s=args.shrink_seconds,
         delayed_every=1 if args.measure else args.delayed_every,
+        graphs=args.graphs,
         weights=Weights(in_place_counts=(1.0,), lora_in_place=0.0) if args.measure else None,
         fusing=FUSINGS[args.fuser],
         on_failure=on_failure,

@@ -4,6 +4,7 @@ spent; each failure shrunk, attributed (te_v2's or Thunder's) and kept once per 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -88,6 +89,7 @@ def run(
     start: int = 0,
     shrink_budget_s: float = 90.0,
     delayed_every: int = 8,
+    graphs: bool = False,
     stop_at_first: bool = False,
     shrink_thunder: bool = True,
     weights: Weights | None = None,
@@ -97,7 +99,8 @@ def run(
 ) -> Summary:
     """Check programs ``start``, ``start + 1``, ... of ``seed`` until ``seconds`` have passed
     (shrinking included; no new program starts after) or ``count`` programs ran; every
-    ``delayed_every``-th also with delayed scaling (0: none). ``stop_at_first``: stop at te_v2's
+    ``delayed_every``-th also with delayed scaling (0: none); with ``graphs``, each also under
+    CUDA graphs (``oracle.check``). ``stop_at_first``: stop at te_v2's
     first failure; ``shrink_thunder`` False leaves Thunder's own failures as found; ``fusing``:
     how the compiled runs fuse."""
     summary = Summary(seed)
@@ -108,7 +111,10 @@ def run(
         count is None or summary.programs < count
     ):
         program = dataclasses.replace(generate(seed, index, weights), fusing=fusing)
-        verdict = check(program, delayed=delayed_every > 0 and index % delayed_every == 0)
+        judge = functools.partial(
+            check, delayed=delayed_every > 0 and index % delayed_every == 0, graphs=graphs
+        )
+        verdict = judge(program)
         summary.programs += 1
         summary.statuses[verdict.status] += 1
         if on_program is not None:
@@ -121,7 +127,9 @@ def run(
             first_of_kind = verdict.failed or (shrink_thunder and (verdict.status, verdict.kind) not in seen)
             budget = shrink_budget_s if verdict.failed else shrink_budget_s / 3
             small, small_verdict = (
-                shrink(program, verdict, budget_s=budget) if first_of_kind else (program, verdict)
+                shrink(program, verdict, budget_s=budget, judge=judge)
+                if first_of_kind
+                else (program, verdict)
             )
             failure = Failure(index, found_at, program, small, small_verdict)
             key = failure.signature if verdict.failed else (verdict.status, verdict.kind)

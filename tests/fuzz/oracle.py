@@ -25,6 +25,10 @@ write into it) and every gradient; the None-ness of each gradient must match eag
   te_v2 should raise too, and a te_v2 that returns is counted as ``eager_raised_te_v2_silent``.
 - ``delayed``: te_v2 with delayed scaling (stateful) for ``DELAYED_STEPS`` steps on one model
   against eager, within ``FP8_RTOL`` (without FP8 linears, the bound against the emulation).
+- ``graphs``: te_v2 under ``TEv2CUDAGraphTransform`` for ``DELAYED_STEPS`` delayed-scaling steps,
+  its graphs captured and replayed by ``tests.helpers.capture_taped`` (ATen operations taped and
+  run again, no Python, as a CUDA graph replays), against te_v2 without graphs: bitwise. The tape
+  cannot see Inductor's CPU kernels, so this holds for programs te_v2 runs alone.
 
 A failure that Thunder without te_v2 shows too is Thunder's (``Verdict.status`` "thunder"), and
 so is te_v2's refusal (its own error) of a program that Thunder without te_v2 gets wrong silently.
@@ -38,13 +42,15 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
+from unittest import mock
 
 import torch
+from thunder.transforms.cudagraph import CUDAGraphRunner
 
-from te_v2_executor import ClaimPolicy, current_scaling, delayed_scaling, make_te_v2
+from te_v2_executor import ClaimPolicy, TEv2CUDAGraphTransform, current_scaling, delayed_scaling, make_te_v2
 from te_v2_executor.recipes import RecipeSpec
 from tests.fuzz.programs import FUSINGS, Program
-from tests.helpers import eager_emulation
+from tests.helpers import capture_taped, eager_emulation
 
 FOLD_RTOL = 1e-6
 BF16_RTOL = 1e-2
@@ -130,17 +136,20 @@ def _one_step(program: Program, model: torch.nn.Module, fn: Callable[..., Any], 
 
 
 def execute(program: Program, how: str, *, recipe: RecipeSpec | None = None, steps: int = 1) -> list[Run]:
-    """Run ``program`` ``steps`` times: "eager", "emulation", "te_v2" or "thunder" (Thunder
-    without te_v2, fused as te_v2's run is, to tell a Thunder bug from te_v2's)."""
+    """Run ``program`` ``steps`` times: "eager", "emulation", "te_v2", "te_v2 graphed" (under
+    ``TEv2CUDAGraphTransform``, captured by a tape) or "thunder" (Thunder without te_v2, fused as
+    te_v2's run is, to tell a Thunder bug from te_v2's)."""
     recipe = recipe or current_scaling()
     claim = ClaimPolicy(min_features=program.min_features)
     ns = program.namespace()
-    with warnings.catch_warnings():
+    graphed = how == "te_v2 graphed"
+    with warnings.catch_warnings(), mock.patch.object(CUDAGraphRunner, "build_cuda_graph", capture_taped):
         warnings.simplefilter("ignore")
         model = ns["make_model"]()
         fn: Callable[..., Any] = model
-        if how == "te_v2":
-            fn = program.fusing.jit(model, make_te_v2(backend="reference", recipe=recipe, claim=claim))
+        if how.startswith("te_v2"):
+            te_v2 = make_te_v2(backend="reference", recipe=recipe, claim=claim)
+            fn = program.fusing.jit(model, te_v2, [TEv2CUDAGraphTransform()] if graphed else None)
         elif how == "thunder":
             fn = program.fusing.jit(model)
         runs = []
@@ -202,9 +211,10 @@ def _compare(expected: Run, actual: Run, label: str, tolerance: float | None, pr
     return worst
 
 
-def check(program: Program, *, delayed: bool = False) -> Verdict:
-    """Run ``program`` eagerly, emulated and through te_v2, and judge te_v2; a failure that
-    Thunder shows without te_v2 too is Thunder's (status "thunder")."""
+def check(program: Program, *, delayed: bool = False, graphs: bool = False) -> Verdict:
+    """Run ``program`` eagerly, emulated and through te_v2 (with ``delayed`` and ``graphs``, the
+    module docstring's checks too), and judge te_v2; a failure that Thunder shows without te_v2
+    too is Thunder's (status "thunder")."""
     (eager,) = execute(program, "eager")
     if eager.error:
         (te,) = execute(program, "te_v2")
@@ -244,8 +254,11 @@ def check(program: Program, *, delayed: bool = False) -> Verdict:
                 )
     if verdict.failed:
         _attribute(program, eager, te, verdict)
-    elif delayed:
+        return verdict
+    if delayed:
         _check_delayed(program, verdict)
+    if graphs and not verdict.failed:
+        _check_graphs(program, verdict)
     return verdict
 
 
@@ -332,5 +345,28 @@ def _check_delayed(program: Program, verdict: Verdict) -> None:
         verdict.errors["eager, delayed scaling"] = max(verdict.errors.get("eager, delayed scaling", 0.0), err)
         if problems:
             verdict.status, verdict.kind = "fail", _mismatch("eager (delayed scaling)", problems)
+            verdict.problems += problems
+            return
+
+
+def _check_graphs(program: Program, verdict: Verdict) -> None:
+    """Fail ``verdict`` if te_v2 under CUDA graphs (taped) computes, over a few delayed-scaling
+    steps, anything but what te_v2 computes without them."""
+    recipe = delayed_scaling(amax_history_len=4)
+    plain = execute(program, "te_v2", recipe=recipe, steps=DELAYED_STEPS)
+    graphed = execute(program, "te_v2 graphed", recipe=recipe, steps=DELAYED_STEPS)
+    if plain[-1].error:
+        return
+    if graphed[-1].error:
+        verdict.status, verdict.kind = "fail", f"te_v2 under CUDA graphs raised ({graphed[-1].error_at})"
+        verdict.problems.append(
+            f"te_v2 under CUDA graphs raised, without them it did not: {graphed[-1].error}"
+        )
+        return
+    for step, (p, g) in enumerate(zip(plain, graphed, strict=True)):
+        problems: list[str] = []
+        _compare(p, g, f"te_v2 under CUDA graphs (step {step})", None, problems)
+        if problems:
+            verdict.status, verdict.kind = "fail", _mismatch("itself without CUDA graphs", problems)
             verdict.problems += problems
             return

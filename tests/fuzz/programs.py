@@ -102,12 +102,12 @@ class Fusing:
     executors: tuple[str, ...] = ()
     options: tuple[tuple[str, Any], ...] = ()
 
-    def jit(self, model: Any, te_v2: Any = None) -> Any:
-        """``model`` through Thunder, te_v2 first when given."""
+    def jit(self, model: Any, te_v2: Any = None, transforms: list | None = None) -> Any:
+        """``model`` through Thunder, te_v2 first when given, with ``transforms``."""
         import thunder
 
         executors = [*([te_v2] if te_v2 is not None else []), *map(thunder.get_executor, self.executors)]
-        return thunder.jit(model, executors=executors or None, **dict(self.options))
+        return thunder.jit(model, executors=executors or None, transforms=transforms, **dict(self.options))
 
     def source(self, te_v2: str) -> str:
         """The ``thunder.jit`` call of :meth:`jit`, with te_v2 as the name ``te_v2``, as source."""
