@@ -441,12 +441,15 @@ def _hand_over(replayed: _Replayed, held: dict[int, torch.Tensor], args: tuple[A
     """The graph's outputs, each handed output a new tensor over the graph's memory, or, where
     that memory is still read (``held``), a copy of what the replay wrote, with the memory given
     back its values; each copied output a copy, each fresh one a new tensor over its memory; each
-    aliased one the same view of the caller's argument (``args``)."""
+    aliased one the caller's argument (``args``) itself, or the same view of it, as Thunder
+    returns without graphs."""
     leaves, spec = tree_flatten(replayed.outputs)
     for position, i in replayed.aliased:
         out, copy, given = leaves[position], replayed.inputs[i], args[i]
         offset = given.storage_offset() + out.storage_offset() - copy.storage_offset()
-        leaves[position] = given.as_strided(out.size(), out.stride(), offset)
+        layout = (out.size(), out.stride(), offset)
+        whole = layout == (given.size(), given.stride(), given.storage_offset())
+        leaves[position] = given if whole else given.as_strided(*layout)
     for i in replayed.copied:
         leaves[i] = leaves[i].clone()
     for i in replayed.fresh:

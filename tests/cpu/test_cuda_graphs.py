@@ -567,10 +567,10 @@ def test_arguments_over_one_memory_are_read_from_one_copy(monkeypatch):
     for step in range(1, 3):
         x = torch.zeros(4, 4)
         (out,) = runner.call_cuda_graph("CUDAGraph1", x[1], x)
-        assert torch.equal(x[1], torch.ones(4)) and out.data_ptr() == x.data_ptr(), step
+        assert torch.equal(x[1], torch.ones(4)) and out is x, step
     x, y = torch.zeros(4), torch.zeros(4, 4)
     (out,) = runner.call_cuda_graph("CUDAGraph1", x, y)
-    assert torch.equal(x, torch.ones(4)) and out.data_ptr() == y.data_ptr()
+    assert torch.equal(x, torch.ones(4)) and out is y
     assert len(runner.cuda_graph_cache) == 2
 
 
@@ -645,4 +645,39 @@ def test_batches_of_no_rows_replay_as_without_graphs(monkeypatch):
             jitted(x).square().sum().backward()
             seen += [x.grad, *(p.grad.clone() for p in model.parameters())]
         runs.append(seen)
+    assert all(map(torch.equal, *runs))
+
+
+class _ReturnsItsInput(torch.nn.Module):
+    """A linear's output and the input itself (``dropout`` of 0 is the input, to Thunder)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l0 = torch.nn.Linear(DIM, DIM, bias=False).requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.l0(x), torch.nn.functional.dropout(x, p=0.0)
+
+
+def test_an_input_returned_is_the_callers_tensor(monkeypatch):
+    """Without graphs Thunder returns the input itself, whose gradient autograd accumulates
+    directly; a graph returned its copy of it (its gradient then went through Thunder's backward,
+    summed in another order): the input's gradient is bitwise as without graphs."""
+    monkeypatch.setattr(CUDAGraphRunner, "build_cuda_graph", capture_taped)
+    runs = []
+    for transforms in ([], [TEv2CUDAGraphTransform()]):
+        torch.manual_seed(0)
+        jitted = thunder.jit(
+            _ReturnsItsInput(),
+            executors=[make_te_v2(backend="reference", claim=CLAIM_ALL)],
+            transforms=transforms,
+        )
+        grads = []
+        for step in range(2):
+            x = torch.randn(TOKENS, DIM, generator=torch.Generator().manual_seed(step), requires_grad=True)
+            y, same = jitted(x)
+            assert same is x
+            (y.square().sum() + same.sin().sum()).backward()
+            grads.append(x.grad)
+        runs.append(grads)
     assert all(map(torch.equal, *runs))
