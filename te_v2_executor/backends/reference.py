@@ -64,6 +64,25 @@ class ReferenceQuantizedTensor(torch.Tensor):
             raise RuntimeError(f"te_v2 reference: the {usage} FP8 copy this GEMM reads was not built")
         return found
 
+    def copy_(self, src: ReferenceQuantizedTensor, non_blocking: bool = False) -> ReferenceQuantizedTensor:
+        """``src``'s FP8 copies written into this one's (made where it has none of that shape), as
+        TE's ``Float8Tensor`` copies its data: what a CUDA graph runner does with an FP8 operand it
+        reads from a buffer of its own (``torch.empty_like(x).copy_(x)``, then ``copy_`` on each
+        call)."""
+        for usage in ("rowwise", "columnwise"):
+            theirs, mine = getattr(src, usage, None), getattr(self, usage, None)
+            if theirs is None or mine is None or mine.data.shape != theirs.data.shape:
+                mine = (
+                    None
+                    if theirs is None
+                    else Plane(theirs.data.clone(), theirs.scale_inv.clone(), theirs.block)
+                )
+                setattr(self, usage, mine)
+            else:
+                mine.data.copy_(theirs.data, non_blocking=non_blocking)
+                mine.scale_inv.copy_(theirs.scale_inv, non_blocking=non_blocking)
+        return self
+
     def keep_columnwise_only(self) -> ReferenceQuantizedTensor:
         self.rowwise = None
         return self

@@ -484,6 +484,7 @@ def _peft_llama() -> torch.nn.Module:
 
 _TRAINED = {
     "checkpointed": (lambda: Checkpointed(DIM), thunder.jit),
+    "one linear": (lambda: torch.nn.Linear(DIM, DIM, bias=False), thunder.jit),
     "lora": (lambda: LoRAStack([DIM] * 3, rank=16), thunder.jit),
     "stack": (lambda: Stack([DIM] * 4), thunder.jit),
     "tied": (lambda: SharedWeight(DIM), thunder.jit),

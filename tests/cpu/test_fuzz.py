@@ -11,10 +11,14 @@ its input.
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 
+import te_v2_executor.cuda_graphs
 from tests.fuzz import campaign
-from tests.fuzz.programs import FUSINGS, Weights
+from tests.fuzz.oracle import check
+from tests.fuzz.programs import FUSINGS, Weights, generate
 
 # (seed, programs) per fuser. With torch.compile's executor and thunderfx's dataflow fusion, on
 # 229bf63 (before write_order) program 0 of seed 5 fails at about 20 s: a write fused into a
@@ -51,3 +55,16 @@ def test_random_programs_match_eager_and_the_emulation(name):
             pytrace=False,
         )
     assert summary.programs == programs
+
+
+def test_the_graphs_check_finds_a_replay_that_differs(monkeypatch):
+    """``--graphs`` holds te_v2 under CUDA graphs (taped) to te_v2 without them: a program whose
+    forward doubles its input twice before a linear passes, and fails where the warm-up calls
+    before a capture leave their amaxes in the scaling state (as before 5965a14)."""
+    program = generate(1205, 43)
+    assert check(program, graphs=True).status == "ok"
+    monkeypatch.setattr(
+        te_v2_executor.cuda_graphs, "current_amaxes_kept", lambda states: contextlib.nullcontext()
+    )
+    verdict = check(program, graphs=True)
+    assert verdict.status == "fail" and "without CUDA graphs" in verdict.kind, verdict
