@@ -298,12 +298,14 @@ class _CheckedRunner(CUDAGraphRunner):
             if isinstance(s, LinearQuantState)
         }
         self._shared = _shared_copies(args, static_args_mask)
-        with torch.no_grad(), current_amaxes_kept(states.values()):
-            values = [args[i].clone() for i in in_place_writes]
-            built = super().build_cuda_graph(fn, args, static_args_mask)
-            for i, value in zip(in_place_writes, values, strict=True):
-                args[i].copy_(value)
-        self._shared = {}
+        try:
+            with torch.no_grad(), current_amaxes_kept(states.values()):
+                values = [args[i].clone() for i in in_place_writes]
+                built = super().build_cuda_graph(fn, args, static_args_mask)
+                for i, value in zip(in_place_writes, values, strict=True):
+                    args[i].copy_(value)
+        finally:
+            self._shared = {}
         outputs = built[2]
         in_place = [i for i, static in enumerate(static_args_mask) if static]
         fixed = [(i, args[i], at) for i in in_place if (at := _address(args[i])) is not None]
