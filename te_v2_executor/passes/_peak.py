@@ -72,13 +72,16 @@ def live_bytes(trace: TraceCtx, writes: Writes) -> list[int] | None:
     return profile
 
 
-def peak_needs(trace: TraceCtx, writes: Writes, savings: Sequence[Saving]) -> list[bool]:
-    """Which of ``savings`` the lowest peak of ``trace`` needs, all of them where the sizes are
-    not known: with every saving made, each in turn is given up where its bytes put back over its
-    span leave the peak as low."""
+def peak_needs(
+    trace: TraceCtx, writes: Writes, savings: Sequence[Saving], *, every: bool = False
+) -> list[bool]:
+    """Which of ``savings`` the lowest peak of ``trace`` needs, all of them with ``every`` (under
+    CUDA graphs, whose forward graph holds what it saves between steps) or where the sizes are not
+    known: with every saving made, each in turn is given up where its bytes put back over its span
+    leave the peak as low."""
     if not savings:
         return []
-    profile = live_bytes(trace, writes)
+    profile = None if every else live_bytes(trace, writes)
     if profile is None:
         return [True] * len(savings)
     sizes = [_nbytes(s.tensor) for s in savings]

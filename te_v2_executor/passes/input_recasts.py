@@ -419,11 +419,9 @@ def _recastable(trace: TraceCtx, every: bool, fusers: list[FusionExecutor]) -> l
             first = min(readers, key=facts.writes.position)
             if (recast := _recast(bsym, first, facts)) is not None:
                 found.append(recast)
-    if every:
-        return found
     position = facts.writes.position
     savings = [Saving(_saved_input(r.forward), position(r.forward), position(r.first_reader)) for r in found]
-    return list(compress(found, peak_needs(trace, facts.writes, savings)))
+    return list(compress(found, peak_needs(trace, facts.writes, savings, every=every)))
 
 
 def recast_inputs(trace: TraceCtx, fusers: list[FusionExecutor], *, every: bool = False) -> TraceCtx:

@@ -97,8 +97,9 @@ def recast_weights(trace: TraceCtx, *, every: bool = False) -> TraceCtx:
     savings = [Saving(b.output[2], writes.position(b), writes.position(first)) for b, _, first in candidates]
     swapped: dict[int, BoundSymbol] = {}  # id of a bound symbol -> its replacement
     inserted: dict[int, list[BoundSymbol]] = {}  # position -> recasts placed before it
-    needs = [True] * len(savings) if every else peak_needs(trace, writes, savings)
-    for (bsym, readers, first_reader), needed in zip(candidates, needs, strict=True):
+    for (bsym, readers, first_reader), needed in zip(
+        candidates, peak_needs(trace, writes, savings, every=every), strict=True
+    ):
         if not needed:
             continue
         recast = _recast(bsym, trace, made_in_backward(first_reader, producers))

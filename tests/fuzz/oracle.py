@@ -58,6 +58,7 @@ FP8_RTOL = 0.3
 # Thunder alone is wrong, or agrees with te_v2, within this: far above rounding, far below bugs.
 ATTRIBUTION_RTOL = 1e-3
 DELAYED_STEPS = 3
+_DELAYED = delayed_scaling(amax_history_len=4)
 _TINY = 1e-30
 
 
@@ -255,10 +256,13 @@ def check(program: Program, *, delayed: bool = False, graphs: bool = False) -> V
     if verdict.failed:
         _attribute(program, eager, te, verdict)
         return verdict
+    if delayed or graphs:
+        stateful = execute(program, "te_v2", recipe=_DELAYED, steps=DELAYED_STEPS)
     if delayed:
-        _check_delayed(program, verdict)
-    if graphs and not verdict.failed:
-        _check_graphs(program, verdict)
+        _check_delayed(program, verdict, stateful)
+    if graphs and not verdict.failed and not stateful[-1].error:
+        graphed = execute(program, "te_v2 graphed", recipe=_DELAYED, steps=DELAYED_STEPS)
+        _check_steps(verdict, stateful, graphed, "under CUDA graphs", "itself without CUDA graphs", None)
     return verdict
 
 
@@ -328,45 +332,30 @@ def _refusal_of_thunders(program: Program, te: Run) -> bool:
     return False
 
 
-def _check_delayed(program: Program, verdict: Verdict) -> None:
-    """Fail ``verdict`` if te_v2 with delayed scaling strays from eager over a few steps."""
+def _check_delayed(program: Program, verdict: Verdict, te: list[Run]) -> None:
+    """Fail ``verdict`` if te_v2 with delayed scaling (``te``, a few steps) strays from eager."""
     eager = execute(program, "eager", steps=DELAYED_STEPS)
-    te = execute(program, "te_v2", recipe=delayed_scaling(amax_history_len=4), steps=DELAYED_STEPS)
-    if te[-1].error:
-        verdict.status, verdict.kind = "fail", f"te_v2 (delayed scaling) raised ({te[-1].error_at})"
-        verdict.problems.append(f"te_v2 with delayed scaling raised, eager did not: {te[-1].error}")
-        return
     bound = (
         FP8_RTOL if verdict.fp8 else tolerance(program, verdict.routes)
     )  # without FP8, eager is the emulation
-    for step, (e, t) in enumerate(zip(eager, te, strict=True)):
-        problems: list[str] = []
-        err = _compare(e, t, f"te_v2 (delayed scaling, step {step})", bound, problems)
-        verdict.errors["eager, delayed scaling"] = max(verdict.errors.get("eager, delayed scaling", 0.0), err)
-        if problems:
-            verdict.status, verdict.kind = "fail", _mismatch("eager (delayed scaling)", problems)
-            verdict.problems += problems
-            return
+    _check_steps(verdict, eager, te, "delayed scaling", "eager (delayed scaling)", bound)
 
 
-def _check_graphs(program: Program, verdict: Verdict) -> None:
-    """Fail ``verdict`` if te_v2 under CUDA graphs (taped) computes, over a few delayed-scaling
-    steps, anything but what te_v2 computes without them."""
-    recipe = delayed_scaling(amax_history_len=4)
-    plain = execute(program, "te_v2", recipe=recipe, steps=DELAYED_STEPS)
-    graphed = execute(program, "te_v2 graphed", recipe=recipe, steps=DELAYED_STEPS)
-    if plain[-1].error:
+def _check_steps(
+    verdict: Verdict, expected: list[Run], actual: list[Run], how: str, against: str, bound: float | None
+) -> None:
+    """Fail ``verdict`` if te_v2 run ``how`` (``actual``, a few steps) raised, or strays from
+    ``expected`` (``against``, as the failure names it) at a step beyond ``bound`` (None: bitwise);
+    the largest error goes into ``verdict.errors`` under ``against``."""
+    if actual[-1].error:
+        verdict.status, verdict.kind = "fail", f"te_v2 ({how}) raised ({actual[-1].error_at})"
+        verdict.problems.append(f"te_v2 ({how}) raised, {against} did not: {actual[-1].error}")
         return
-    if graphed[-1].error:
-        verdict.status, verdict.kind = "fail", f"te_v2 under CUDA graphs raised ({graphed[-1].error_at})"
-        verdict.problems.append(
-            f"te_v2 under CUDA graphs raised, without them it did not: {graphed[-1].error}"
-        )
-        return
-    for step, (p, g) in enumerate(zip(plain, graphed, strict=True)):
+    for step, (e, t) in enumerate(zip(expected, actual, strict=True)):
         problems: list[str] = []
-        _compare(p, g, f"te_v2 under CUDA graphs (step {step})", None, problems)
+        err = _compare(e, t, f"te_v2 ({how}, step {step})", bound, problems)
+        verdict.errors[against] = max(verdict.errors.get(against, 0.0), err)
         if problems:
-            verdict.status, verdict.kind = "fail", _mismatch("itself without CUDA graphs", problems)
+            verdict.status, verdict.kind = "fail", _mismatch(against, problems)
             verdict.problems += problems
             return
