@@ -14,10 +14,13 @@ from __future__ import annotations
 import contextlib
 
 import pytest
+import thunder
+import torch
+import torch.nn.functional as F
 
 import te_v2_executor.cuda_graphs
 from tests.fuzz import campaign
-from tests.fuzz.oracle import check
+from tests.fuzz.oracle import THUNDER_ROUNDED, check
 from tests.fuzz.programs import FUSINGS, Weights, generate
 
 # (seed, programs) per fuser. With torch.compile's executor and thunderfx's dataflow fusion, on
@@ -68,3 +71,38 @@ def test_the_graphs_check_finds_a_replay_that_differs(monkeypatch):
     )
     verdict = check(program, graphs=True)
     assert verdict.status == "fail" and "without CUDA graphs" in verdict.kind, verdict
+
+
+def test_thunders_own_gradient_rounding_is_not_held_to_bitwise():
+    """A tanh GELU after an FP8 linear whose gradient reaches the linear's bias unquantized: Thunder
+    computes the GELU's gradient from its decomposition, not with ATen's kernel, so te_v2 and the
+    emulation differ by 1.2e-7 there (fuzz --seed 1207 program 28, failed as bitwise before
+    ``THUNDER_ROUNDED``)."""
+    program = generate(1207, 28)
+    assert any("gelu_tanh" in op.kinds for op in program.ops)
+    assert check(program).status == "ok"
+
+
+@pytest.mark.parametrize("kind", sorted(THUNDER_ROUNDED))
+def test_thunder_rounds_the_gradients_the_oracle_says_it_does(kind):
+    """Each op in ``THUNDER_ROUNDED`` has a gradient through Thunder alone that differs from eager's
+    in the last bits (the reason the oracle loosens bitwise for it); relu's does not."""
+    ops = {
+        "gelu": lambda a, b: F.gelu(a) * b,
+        "gelu_tanh": lambda a, b: F.gelu(a, approximate="tanh") * b,
+        "silu": lambda a, b: F.silu(a) * b,
+        "silu_squared": lambda a, b: F.silu(a) * F.silu(a) * b,
+        "swiglu": lambda a, b: F.silu(a) * b,
+        "relu": lambda a, b: torch.relu(a) * b,
+    }
+
+    def grad(fn, a, b):
+        a = a.detach().requires_grad_()
+        fn(a, b).sum().backward()
+        return a.grad
+
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(256, 64, generator=g) * 3, torch.randn(256, 64, generator=g)
+    for name, expected in ((kind, False), ("relu", True)):
+        fn = ops[name]
+        assert torch.equal(grad(fn, a, b), grad(thunder.jit(fn), a, b)) is expected, name

@@ -7,8 +7,9 @@ compute the same products). Compared: every output, every input after the call (
 write into it) and every gradient; the None-ness of each gradient must match eager's exactly.
 
 - te_v2 against the emulation: bitwise (``torch.equal``) where every linear ran in FP8, nothing
-  is bfloat16 and no fuser follows te_v2: the same kernels, and te_v2's FP8 dgrad adds into a gradient as eager's
-  autograd adds. Elsewhere a relative error (Frobenius norm of the difference over the
+  is bfloat16, no fuser follows te_v2 and no op is one whose gradient Thunder computes from its
+  own decomposition (``THUNDER_ROUNDED``): the same kernels, and te_v2's FP8 dgrad adds into a
+  gradient as eager's autograd adds. Elsewhere a relative error (Frobenius norm of the difference over the
   emulation's) of at most ``FOLD_RTOL``: te_v2 folds sums and constant scales into its
   unquantized GEMMs (``addmm_`` with alpha, beta = 1), and Thunder's own backward (the fallback
   linears') adds gradients in another order (4.5e-8 seen). With a bfloat16 value,
@@ -55,6 +56,10 @@ from tests.helpers import capture_taped, eager_emulation
 FOLD_RTOL = 1e-6
 BF16_RTOL = 1e-2
 FP8_RTOL = 0.3
+# Ops whose gradient Thunder alone (no te_v2) computes from its decomposition, differing from
+# ATen's autograd in the last bits (relu's does not); seen where it reaches a bias's gradient
+# unquantized: fuzz --seed 1207 program 28 (tanh GELU, 1.2e-7).
+THUNDER_ROUNDED = frozenset({"gelu", "gelu_tanh", "silu", "silu_squared", "swiglu"})
 # Thunder alone is wrong, or agrees with te_v2, within this: far above rounding, far below bugs.
 ATTRIBUTION_RTOL = 1e-3
 DELAYED_STEPS = 3
@@ -185,7 +190,8 @@ def tolerance(program: Program, routes: frozenset[str]) -> float | None:
     fuzz ``--fuser torch.compile --seed 2042`` program 76)."""
     if any(m.dtype == "bfloat16" for m in program.meta.values()):
         return BF16_RTOL
-    return None if routes == {"fp8"} and not program.fusing.executors else FOLD_RTOL
+    rounded = any(THUNDER_ROUNDED.intersection(op.kinds) for op in program.ops)
+    return None if routes == {"fp8"} and not program.fusing.executors and not rounded else FOLD_RTOL
 
 
 def _compare(expected: Run, actual: Run, label: str, tolerance: float | None, problems: list[str]) -> float:

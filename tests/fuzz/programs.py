@@ -86,6 +86,11 @@ class Op:
     def in_place(self) -> bool:
         return self.out is None
 
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        """What the op computes: its kind, and "gelu" for each GELU of a checkpointed region."""
+        return (self.kind, *("gelu" for line in self.region if "F.gelu(" in line))
+
     def render(self) -> str:
         return self.template.format(*self.reads, out=self.out)
 
