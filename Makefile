@@ -35,7 +35,8 @@ bench: ## side-by-side benchmark on a GPU with TE: markdown tables on stdout, JS
 bench-hf: ## only the Hugging Face Llama suite, each variant in its own process: table on stdout, JSON in results/hf/
 	$(PY) -m benchmarks.hf --out results/hf
 
-bench-ddp: ## only the 2-GPU DDP suite (torchrun): table on stdout, JSON and PNG in results/ddp/
+bench-ddp: ## the multi-GPU suites (torchrun): FSDP2 scaling of a HF Llama on 1, 2 and 4 GPUs (results/scaling/), then the 2-GPU DDP MLP suite (results/ddp/)
+	$(PY) -m benchmarks.scaling --out results/scaling
 	$(PY) -m benchmarks.run --suite ddp --out results/ddp
 
 lint: ## ruff check and format check

@@ -211,14 +211,26 @@ def launch(out: Path, *, warmup: int, steps: int, timeout_s: float) -> list[dict
     return the rows it wrote, also after a failure or a timeout."""
     out = out.resolve()
     (out / RESULTS).unlink(missing_ok=True)
+    worker_args = ["--out", str(out), "--warmup", str(warmup), "--steps", str(steps)]
+    rc = torchrun(WORLD_SIZE, "benchmarks.ddp", worker_args, timeout_s=timeout_s)
+    if rc != 0:
+        print(f"ddp suite: the torchrun worker ended with {rc}; keeping the rows it wrote", file=sys.stderr)
+    path = out / RESULTS
+    return json.loads(path.read_text()) if path.exists() else []
+
+
+def torchrun(
+    nproc: int, module: str, args: list[str], *, timeout_s: float, env: dict[str, str] | None = None
+) -> int | str:
+    """Run ``python -m module args`` on ``nproc`` ranks through torchrun, its output on stderr;
+    its exit status, or why it was killed after ``timeout_s``."""
     command = [
         *(sys.executable, "-m", "torch.distributed.run", "--standalone"),
-        *(f"--nproc_per_node={WORLD_SIZE}", "-m", "benchmarks.ddp"),
-        *("--out", str(out), "--warmup", str(warmup), "--steps", str(steps)),
+        *(f"--nproc_per_node={nproc}", "-m", module, *args),
     ]
-    proc = subprocess.Popen(command, stdout=sys.stderr.fileno(), start_new_session=True)
+    proc = subprocess.Popen(command, stdout=sys.stderr.fileno(), start_new_session=True, env=env)
     try:
-        rc = proc.wait(timeout=timeout_s)
+        return proc.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGTERM)  # torchrun and its workers: the session it leads
         try:
@@ -226,11 +238,7 @@ def launch(out: Path, *, warmup: int, steps: int, timeout_s: float) -> list[dict
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-        rc = f"killed after {timeout_s:.0f} s"
-    if rc != 0:
-        print(f"ddp suite: the torchrun worker ended with {rc}; keeping the rows it wrote", file=sys.stderr)
-    path = out / RESULTS
-    return json.loads(path.read_text()) if path.exists() else []
+        return f"killed after {timeout_s:.0f} s"
 
 
 def collectives_table(results: list[dict[str, Any]]) -> str:

@@ -187,17 +187,21 @@ def _to_te_linears(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def _torchao(model: torch.nn.Module) -> Callable:
-    """torchao float8 training (tensorwise scaling) on every linear but the adapters, compiled:
-    torchtitan's route."""
+def torchao_float8(model: torch.nn.Module, *, fsdp_float8_all_gather: bool = False) -> torch.nn.Module:
+    """``model`` with torchao float8 training (tensorwise scaling) on every linear but the
+    adapters; with ``fsdp_float8_all_gather``, FSDP2 gathers their weights in FP8."""
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     def wanted(module: torch.nn.Linear, fqn: str) -> bool:
         return "lora_" not in fqn and module.in_features % 16 == 0 and module.out_features % 16 == 0
 
-    config = Float8LinearConfig.from_recipe_name("tensorwise")
-    convert_to_float8_training(model, config=config, module_filter_fn=wanted)
-    return torch.compile(model)
+    config = Float8LinearConfig(enable_fsdp_float8_all_gather=fsdp_float8_all_gather)
+    return convert_to_float8_training(model, config=config, module_filter_fn=wanted)
+
+
+def _torchao(model: torch.nn.Module) -> Callable:
+    """torchao float8 training on every linear but the adapters, compiled: torchtitan's route."""
+    return torch.compile(torchao_float8(model))
 
 
 # name -> (builder of the callable a step runs, whether it runs under te.autocast)
@@ -234,15 +238,21 @@ def build_model(model: str, scenario: str) -> torch.nn.Module:
     return llama(MODELS[model], scenario)
 
 
-def llama(dims: dict[str, int], scenario: str) -> torch.nn.Module:
+def llama(
+    dims: dict[str, int],
+    scenario: str,
+    *,
+    device: str | torch.device = "cuda",
+    dtype: torch.dtype = torch.bfloat16,
+) -> torch.nn.Module:
     """A random-weight ``LlamaForCausalLM`` of ``dims`` (``LlamaConfig`` fields), in BF16 on the
-    GPU; for "lora", with peft adapters of rank 16 on every projection, ``lora_B`` drawn at random
-    (peft zeroes it, which would leave every ``lora_A`` gradient zero)."""
+    GPU unless told otherwise; for "lora", with peft adapters of rank 16 on every projection,
+    ``lora_B`` drawn at random (peft zeroes it, which would leave every ``lora_A`` gradient zero)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     config = LlamaConfig(**dims, max_position_embeddings=SEQUENCE, attn_implementation="sdpa")
-    llama = LlamaForCausalLM(config).to("cuda", torch.bfloat16)
+    llama = LlamaForCausalLM(config).to(device, dtype)
     if scenario == "full":
         return llama
     from peft import LoraConfig, get_peft_model
