@@ -16,11 +16,12 @@ Per row: median step time (host clock around a synchronized step, which every co
 tokens a second per GPU, peak memory, and per step, the collectives FSDP2 and the variant issue
 (calls and payload bytes, counted at ``torch.distributed``'s functions: an all-gather's gathered
 tensor, a reduce-scatter's input, an all-reduce's tensor) and, on GPUs, the time of NCCL's
-all-gather, reduce-scatter and all-reduce kernels (torch.profiler). te_v2 gathers weights in BF16:
-it has no FP8 all-gather yet, where torchao's variant gathers FP8.
+all-gather, reduce-scatter and all-reduce kernels (torch.profiler). te_v2 runs with its weights
+gathered in BF16 and in FP8 (``fp8_all_gather``, scales precomputed after each backward, as
+torchao's are in its variant).
 
 On the CPU (``--device cpu``, gloo, te_v2's reference backend, a tiny Llama in float32) the
-worker runs the te_v2 variant only; ``tests/cpu/test_scaling_bench.py`` checks it there.
+worker runs the te_v2 variants only; ``tests/cpu/test_scaling_bench.py`` checks it there.
 """
 
 from __future__ import annotations
@@ -106,17 +107,39 @@ class Variant:
         self.after_backward = after_backward
 
 
-def _te_v2(model: torch.nn.Module) -> Callable:
-    from te_v2_executor import ClaimPolicy, current_scaling, executors, make_te_v2, thunderfx
+def _te_v2(fp8_gather: bool) -> Callable[[torch.nn.Module], Callable]:
+    """te_v2 through thunderfx under current scaling, its weights gathered in FP8 where
+    ``fp8_gather`` (the reference backend, claiming every linear it can, on the CPU)."""
 
-    shard(model)
-    if next(model.parameters()).device.type == "cuda":
-        listed = executors(make_te_v2(recipe=current_scaling()))
-    else:
-        listed = [
-            make_te_v2(backend="reference", recipe=current_scaling(), claim=ClaimPolicy(min_features=16))
-        ]
-    return thunderfx(model, executors=listed)
+    def compile(model: torch.nn.Module) -> Callable:
+        from te_v2_executor import (
+            ClaimPolicy,
+            current_scaling,
+            executors,
+            fp8_all_gather,
+            make_te_v2,
+            thunderfx,
+        )
+
+        if next(model.parameters()).device.type == "cuda":
+            te_v2 = make_te_v2(recipe=current_scaling())
+            listed = executors(te_v2)
+        else:
+            te_v2 = make_te_v2(
+                backend="reference", recipe=current_scaling(), claim=ClaimPolicy(min_features=16)
+            )
+            listed = [te_v2]
+        if fp8_gather:
+            fp8_all_gather(model, te_v2)
+        return thunderfx(shard(model), executors=listed)
+
+    return compile
+
+
+def _te_v2_scales(model: torch.nn.Module) -> None:
+    from te_v2_executor import precompute_fp8_all_gather_scales
+
+    precompute_fp8_all_gather_scales(model)
 
 
 def _te_v2_scope() -> contextlib.AbstractContextManager:
@@ -148,11 +171,12 @@ def _torchao_scales(model: torch.nn.Module) -> None:
 
 
 VARIANTS = {
-    "thunderfx + te_v2": Variant(_te_v2, _te_v2_scope),
+    "thunderfx + te_v2": Variant(_te_v2(False), _te_v2_scope),
+    "thunderfx + te_v2, FP8 all-gather": Variant(_te_v2(True), _te_v2_scope, _te_v2_scales),
     "te.Linear eager": Variant(_te_linear, _te_autocast),
     "torchao float8 + torch.compile, FP8 all-gather": Variant(_torchao, after_backward=_torchao_scales),
 }
-CPU_VARIANTS = ("thunderfx + te_v2",)
+CPU_VARIANTS = ("thunderfx + te_v2", "thunderfx + te_v2, FP8 all-gather")
 
 
 @contextlib.contextmanager

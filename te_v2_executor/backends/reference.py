@@ -117,7 +117,9 @@ class ScalingState:
         return self
 
 
-def _scale_from_amax(amax: torch.Tensor, fp8_max: float, recipe: RecipeSpec) -> torch.Tensor:
+def scale_from_amax(amax: torch.Tensor, fp8_max: float, recipe: RecipeSpec) -> torch.Tensor:
+    """The scale that maps ``amax`` onto ``fp8_max`` under ``recipe`` (its epsilon and power-of-2
+    rule), as TE's current-scaling quantizers compute it; 1 for an amax of 0."""
     amax = amax.float().clamp(min=recipe.amax_epsilon)
     scale = torch.where(amax > 0, fp8_max / amax, torch.ones_like(amax))
     scale = torch.where(torch.isinf(scale), torch.full_like(scale, _FP32_MAX), scale)
@@ -160,7 +162,7 @@ def _quantize(
             _record_amax(state, index, t)
             scale = state.scale[index].reshape(1, 1)
         else:
-            scale = _scale_from_amax(t.abs().amax().reshape(1, 1), fp8_max, recipe)
+            scale = scale_from_amax(t.abs().amax().reshape(1, 1), fp8_max, recipe)
         plane = _cast(t, scale, whole, fp8_dtype, fp8_max)
         # TE's cast-transpose: the column-wise copy holds the same FP8 values, transposed.
         transposed = Plane(plane.data.t().contiguous(), plane.scale_inv, whole[::-1])
@@ -172,7 +174,7 @@ def _quantize(
 
     def blocks(src: torch.Tensor) -> Plane:
         return _cast(
-            src, _scale_from_amax(_block_amax(src, block), fp8_max, recipe), block, fp8_dtype, fp8_max
+            src, scale_from_amax(_block_amax(src, block), fp8_max, recipe), block, fp8_dtype, fp8_max
         )
 
     return ReferenceQuantizedTensor.wrap(

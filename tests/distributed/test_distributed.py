@@ -25,6 +25,8 @@ WRAPPERS = ("thunder_ddp", "fsdp_zero2", "fsdp_zero3", "torch_ddp", "fsdp2")
 KINDS = ("full", "lora")
 # a Hugging Face Llama's two decoder layers sharded one by one, through one Thunder region
 SCENARIOS = [f"{w}-{m}" for w in WRAPPERS for m in KINDS] + ["fsdp2-llama", "fsdp2-llamafrozen"]
+# the Llama under current scaling, its weights gathered in BF16 and in FP8 (te_v2_executor.fsdp)
+CURRENT_SCENARIOS = ["fsdp2_current-llama", "fsdp2_fp8-llama"]
 ROOT = Path(__file__).resolve().parents[2]
 LAUNCH_TIMEOUT_S = 480
 
@@ -95,7 +97,7 @@ class Results:
         self.out = out
         checkpointed = [f"fsdp2_checkpoint-{k}" for k in KINDS]
         builtin = ["builtin_ddp-full"] if device == "cuda" else []
-        self.launch = torchrun(out, device, *SCENARIOS, *checkpointed, *builtin)
+        self.launch = torchrun(out, device, *SCENARIOS, *CURRENT_SCENARIOS, *checkpointed, *builtin)
         self.restore = torchrun(out, device, *(f"restored-{k}" for k in KINDS), ranks=1)
         self._loaded: dict[str, list[dict]] = {}
 
@@ -129,7 +131,7 @@ def _shard(full: torch.Tensor, local: torch.Tensor, rank: int) -> torch.Tensor:
     return full[rank * rows : (rank + 1) * rows]
 
 
-@pytest.mark.parametrize("scenario", SCENARIOS)
+@pytest.mark.parametrize("scenario", SCENARIOS + CURRENT_SCENARIOS)
 def test_weights_and_losses_match_a_single_process_run(results, scenario):
     for rank, r in enumerate(results[scenario]):
         losses, reference = torch.stack(r["losses"]), torch.stack(r["reference_losses"])
@@ -140,6 +142,27 @@ def test_weights_and_losses_match_a_single_process_run(results, scenario):
             ref = _shard(r["reference_weights"][name], w, rank)
             torch.testing.assert_close(w.float(), ref.float(), **FP8_TOLS, msg=lambda m, n=name: f"{n}: {m}")
     assert losses[-1] < losses[0], "training did not reduce the loss: the comparison would be vacuous"
+
+
+def test_an_fp8_all_gather_trains_bitwise_as_a_bf16_one_moving_a_byte_a_value(results):
+    """The Llama's seven projections a layer and its head gathered in FP8: losses and weights on
+    every rank bitwise those of the BF16 all-gather, and each step's all-gathers that many bytes
+    fewer, each layer's weights gathered in the forward and again in the backward, the root's
+    (the head) once."""
+    for bf16, fp8 in zip(results["fsdp2_current-llama"], results["fsdp2_fp8-llama"], strict=True):
+        gathered = fp8["fp8_gathered"]
+        assert len(gathered) == 2 * 7 + 1 and not bf16["fp8_gathered"], sorted(gathered)
+        assert all(torch.equal(a, b) for a, b in zip(bf16["losses"], fp8["losses"], strict=True))
+        assert bf16["weights"].keys() == fp8["weights"].keys()
+        for name, w in bf16["weights"].items():
+            assert torch.equal(w, fp8["weights"][name]), name
+        itemsize = next(iter(bf16["weights"].values())).itemsize
+        fewer = sum((itemsize - 1) * n * (2 if ".layers." in name else 1) for name, n in gathered.items())
+        assert bf16["all_gather_bytes"] - fp8["all_gather_bytes"] == fewer
+    print(
+        f"\n[{results.device}] all-gather bytes per step on rank 0: BF16 {bf16['all_gather_bytes']:.0f}, "
+        f"FP8 {fp8['all_gather_bytes']:.0f}"
+    )
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -6,8 +6,9 @@ A scenario is ``<wrapper>-<model>``: wrapper ``thunder_ddp``, ``fsdp_zero2``, ``
 ``torch_ddp`` (torch's DistributedDataParallel around the ``thunder.jit`` module), ``fsdp2``
 (torch's ``fully_shard`` on every layer and the model, compiled by ``thunderfx``, each step inside
 ``quantization_update_scope``: with two layers, one Thunder region each; a third layer would reuse
-the second's region, and its delayed-scaling state, docs/usage.md) or ``builtin_ddp`` (Thunder's
-built-in TE executor under ``thunder_ddp``, for contrast); model
+the second's region, and its delayed-scaling state, docs/usage.md), ``fsdp2_current`` (``fsdp2``
+under current scaling), ``fsdp2_fp8`` (``fsdp2_current`` with te_v2's FP8 all-gather) or
+``builtin_ddp`` (Thunder's built-in TE executor under ``thunder_ddp``, for contrast); model
 ``full`` (every linear trained), ``lora`` (frozen base, trainable rank-16 adapters), or a
 Hugging Face Llama of two decoder layers mapping token ids to logits, ``llama`` (every linear
 trained) or ``llamafrozen`` (attention projections frozen), whose layers FSDP2 shards one by one
@@ -43,7 +44,9 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from benchmarks.measure import gemm_count, kernel_names
+from benchmarks.scaling import counted_collectives
 from te_v2_executor import (
+    current_scaling,
     delayed_scaling,
     explain,
     load_quantization_state_dict,
@@ -53,6 +56,7 @@ from te_v2_executor import (
     quantization_update_scope,
 )
 from te_v2_executor.compiled import compiled_functions
+from te_v2_executor.fsdp import FP8GatheredWeight, fp8_all_gather
 from tests.helpers import CLAIM_ALL
 from tests.models import LoRAStack, Stack, tiny_llama
 
@@ -90,6 +94,7 @@ MODELS: dict[str, Callable[[], torch.nn.Module]] = {
 HUGGING_FACE = {"llama", "llamafrozen"}
 
 CHECKPOINT_STEPS = 2  # of STEPS, before ``checkpointed`` saves
+CURRENT = {"fsdp2_current", "fsdp2_fp8"}  # the wrappers that run te_v2 under current scaling
 
 
 class Run:
@@ -130,8 +135,9 @@ class Run:
         dtype = torch.bfloat16 if self.cuda else torch.float32
         return [torch.randn(rows, DIM, generator=gen).to(self.device, dtype) for _ in range(STEPS)]
 
-    def executors(self, builtin: bool = False, *, distributed: bool) -> dict[str, Any]:
-        """``thunder.jit`` arguments; the single-process reference reduces no amax."""
+    def executors(self, builtin: bool = False, *, distributed: bool, current: bool = False) -> dict[str, Any]:
+        """``thunder.jit`` arguments; the single-process reference reduces no amax. ``current``:
+        te_v2 pinned to current scaling."""
         if builtin:
             from thunder.executors.transformer_engineex import (
                 TransformerEngineTransform,
@@ -140,6 +146,7 @@ class Run:
 
             return {"executors": [transformer_engine_ex], "transforms": [TransformerEngineTransform()]}
         recipe = None if self.cuda else delayed_scaling(amax_history_len=4, reduce_amax=distributed)
+        recipe = current_scaling() if current else recipe
         return {
             "executors": [
                 make_te_v2(backend="te" if self.cuda else "reference", claim=CLAIM_ALL, recipe=recipe)
@@ -216,8 +223,8 @@ def train(
 
 def wrap(wrapper: str, model: torch.nn.Module, run: Run) -> tuple[Callable, Any, Callable]:
     """(callable to step, the ThunderModule whose traces explain reads, its parameters)."""
-    if wrapper == "fsdp2":
-        return fully_sharded(model, run)
+    if wrapper.startswith("fsdp2"):
+        return fully_sharded(model, run, current=wrapper in CURRENT, fp8_gather=wrapper == "fsdp2_fp8")
     builtin = wrapper == "builtin_ddp"
     jitted = thunder.jit(model, **run.executors(builtin, distributed=True))
     if wrapper in ("thunder_ddp", "builtin_ddp"):
@@ -235,27 +242,38 @@ def wrap(wrapper: str, model: torch.nn.Module, run: Run) -> tuple[Callable, Any,
 
 
 def fully_sharded(
-    model: torch.nn.Module, run: Run, *, per_layer: bool = True
+    model: torch.nn.Module,
+    run: Run,
+    *,
+    per_layer: bool = True,
+    current: bool = False,
+    fp8_gather: bool = False,
 ) -> tuple[Callable, Any, Callable]:
     """``model`` with ``fully_shard`` on each layer of a LoRA stack or a Llama (``per_layer``) and
-    on itself, compiled by ``thunderfx``. A ``Stack``'s layers are bare linears, which Dynamo runs
-    outside its graphs once they are sharded on their own, so only the whole model is."""
+    on itself, compiled by ``thunderfx``, te_v2 under current scaling where ``current``, gathering
+    its weights in FP8 where ``fp8_gather``. A ``Stack``'s layers are bare linears, which Dynamo
+    runs outside its graphs once they are sharded on their own, so only the whole model is."""
     from thunder.dynamo import thunderfx
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     torch._dynamo.reset()  # regions Dynamo compiled for an earlier scenario's model are not reused
+    executors = run.executors(distributed=True, current=current)
+    if fp8_gather:
+        fp8_all_gather(model, executors["executors"][0], world_size=run.world)
     mesh = init_device_mesh(run.device.type, (run.world,))
     for layer in [] if isinstance(model, Stack) or not per_layer else model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    compiled = thunderfx(model, **run.executors(distributed=True))
+    compiled = thunderfx(model, **executors)
     return compiled, compiled, lambda: list(model.parameters())
 
 
 def local(p: torch.Tensor) -> torch.Tensor:
-    """This rank's part of ``p``: an FSDP2 parameter's shard, or ``p``."""
-    return p.to_local() if hasattr(p, "to_local") else p
+    """This rank's part of ``p``: an FSDP2 parameter's shard (unwrapped where it is gathered in
+    FP8), or ``p``."""
+    shard = p.to_local() if hasattr(p, "to_local") else p
+    return shard.unwrap() if isinstance(shard, FP8GatheredWeight) else shard
 
 
 def local_weights(module: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -291,14 +309,15 @@ def distributed_step_gemms(fn: Callable, x: torch.Tensor, run: Run) -> int:
 
 
 def quant_state(module: Any) -> dict[str, Any]:
-    """Every te_v2 linear's amax histories and scales, both directions."""
+    """Every te_v2 linear's amax histories and scales, both directions (none under current
+    scaling, which keeps no history)."""
     found = {}
     for name, r in linear_reports(module):
         if not r.claimed:
             continue
         for direction, forward in (("fwd", True), ("bwd", False)):
             scaling = r.state.scaling(forward=forward)
-            if scaling is not None:
+            if scaling is not None and scaling.amax_history is not None:
                 found[f"{name}.{direction}.amax_history"] = scaling.amax_history.detach().cpu().clone()
                 found[f"{name}.{direction}.scale"] = scaling.scale.detach().cpu().clone()
     return found
@@ -316,13 +335,14 @@ def scenario(name: str, run: Run, out: Path) -> None:
 
     if wrapper != "builtin_ddp":
         reference = run.model(kind)
+        executors = run.executors(distributed=False, current=wrapper in CURRENT)
         if kind in HUGGING_FACE:
             from thunder.dynamo import thunderfx
 
             torch._dynamo.reset()
-            ref_fn = thunderfx(reference, **run.executors(distributed=False))
+            ref_fn = thunderfx(reference, **executors)
         else:
-            ref_fn = thunder.jit(reference, **run.executors(distributed=False))
+            ref_fn = thunder.jit(reference, **executors)
         result["reference_losses"], _ = train(
             ref_fn, lambda: list(reference.parameters()), batches, run, distributed=False, lr=lr
         )
@@ -330,13 +350,20 @@ def scenario(name: str, run: Run, out: Path) -> None:
 
     model = run.model(kind)
     fn, module, params = wrap(wrapper, model, run)
-    with run.counting_amax_all_reduces():
+    sharded = wrapper.startswith("fsdp2")
+    with run.counting_amax_all_reduces(), counted_collectives() as collectives:
         losses, calls = train(
-            fn, params, [x[mine] for x in batches], run, distributed=True, scoped=wrapper == "fsdp2", lr=lr
+            fn, params, [x[mine] for x in batches], run, distributed=True, scoped=sharded, lr=lr
         )
     result["losses"] = summed_over_ranks(losses, run)
     result["amax_all_reduces"] = calls
-    result["weights"] = local_weights(model if wrapper == "fsdp2" else module)
+    result["all_gather_bytes"] = collectives["all_gather_into_tensor"]["bytes"] / STEPS
+    result["fp8_gathered"] = {
+        n: p.numel()
+        for n, p in model.named_parameters()
+        if isinstance(getattr(p, "_local_tensor", None), FP8GatheredWeight)
+    }
+    result["weights"] = local_weights(model if sharded else module)
     if wrapper != "builtin_ddp":
         result["quant_state"] = quant_state(module)
         result["report"] = [(name, r.claimed, r.dgrad, r.wgrad) for name, r in linear_reports(module)]

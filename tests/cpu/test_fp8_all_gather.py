@@ -1,0 +1,181 @@
+"""te_v2's FP8 all-gather under FSDP2 (``te_v2_executor.fsdp``), on one CPU rank (gloo): which
+weights it wraps, the refusal of any recipe but current scaling, and te_v2's steps bitwise those
+of a BF16 all-gather, since te_v2's cast of the gathered weight is its cast of the weight. Two
+ranks, where the all-gather moves a byte a value: ``tests/distributed``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from te_v2_executor import ClaimPolicy, current_scaling, delayed_scaling, make_te_v2
+from te_v2_executor.backends import reference
+from te_v2_executor.fsdp import FP8GatheredWeight, fp8_all_gather, precompute_fp8_all_gather_scales
+from tests.models import tiny_llama
+
+pytest.importorskip("transformers")
+
+HIDDEN, SEQUENCE, STEPS, LR = 64, 16, 3, 1e-4
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_rank(tmp_path_factory):
+    """A gloo process group of this process alone."""
+    if dist.is_initialized():
+        yield
+        return
+    store = dist.FileStore(str(tmp_path_factory.mktemp("store") / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _executor(recipe=None):
+    return make_te_v2(
+        backend="reference", recipe=recipe or current_scaling(), claim=ClaimPolicy(min_features=16)
+    )
+
+
+def _sharded(fp8: bool, recipe=None, *, mixed: bool = False):
+    """A tiny Llama, its weights gathered in FP8 where ``fp8``, sharded per layer (computing in
+    bfloat16 on float32 weights where ``mixed``), through thunderfx."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from te_v2_executor import thunderfx
+
+    torch._dynamo.reset()
+    model = tiny_llama(HIDDEN, torch.float32)
+    executor = _executor(recipe)
+    wrapped = fp8_all_gather(model, executor) if fp8 else []
+    mesh = init_device_mesh("cpu", (1,))
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16) if mixed else MixedPrecisionPolicy()
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    return model, thunderfx(model, executors=[executor]), wrapped
+
+
+def _train(model, fn, *, precompute: bool = False):
+    """STEPS SGD steps on fixed token ids: the losses and the weights after."""
+    gen = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(STEPS):
+        ids = torch.randint(0, 2 * HIDDEN, (2, SEQUENCE), generator=gen)
+        loss = fn(input_ids=ids, use_cache=False).logits.square().sum()
+        loss.backward()
+        with torch.no_grad():
+            for p in model.parameters():
+                p -= LR * p.grad
+                p.grad = None
+        if precompute:
+            precompute_fp8_all_gather_scales(model)
+        losses.append(loss.detach())
+    weights = {n: p.to_local().detach().clone() for n, p in model.named_parameters()}
+    return losses, {n: w._tensor if isinstance(w, FP8GatheredWeight) else w for n, w in weights.items()}
+
+
+def test_it_wraps_the_weights_te_v2_runs_in_fp8_and_no_tied_one():
+    model = tiny_llama(HIDDEN, torch.float32)
+    model.lm_head.weight = model.model.embed_tokens.weight  # tied: the embedding reads it too
+    model.model.layers[0].mlp.down_proj = torch.nn.Linear(2 * HIDDEN, 8, bias=False)  # below 16
+    wrapped = fp8_all_gather(model, _executor(), world_size=1)
+    expected = {f"model.layers.{i}.self_attn.{p}_proj.weight" for i in (0, 1) for p in "qkvo"}
+    expected |= {f"model.layers.{i}.mlp.{p}_proj.weight" for i in (0, 1) for p in ("gate", "up", "down")}
+    assert set(wrapped) == expected - {"model.layers.0.mlp.down_proj.weight"}
+    assert not isinstance(model.lm_head.weight, FP8GatheredWeight)
+    assert isinstance(model.model.layers[1].mlp.down_proj.weight, FP8GatheredWeight)
+    # rows of 32 to 128: none divides evenly among 3 ranks
+    assert fp8_all_gather(tiny_llama(HIDDEN, torch.float32), _executor(), world_size=3) == []
+
+
+@pytest.mark.parametrize(("precompute", "mixed"), [(False, False), (True, False), (False, True)])
+def test_steps_are_bitwise_those_of_a_bf16_gather(precompute, mixed):
+    model, fn, wrapped = _sharded(fp8=False, mixed=mixed)
+    losses, weights = _train(model, fn)
+    model_fp8, fn_fp8, wrapped = _sharded(fp8=True, mixed=mixed)
+    losses_fp8, weights_fp8 = _train(model_fp8, fn_fp8, precompute=precompute)
+    assert len(wrapped) == 15  # 7 projections a layer and the head
+    assert all(torch.equal(a, b) for a, b in zip(losses, losses_fp8, strict=True)), (losses, losses_fp8)
+    assert weights.keys() == weights_fp8.keys()
+    assert all(torch.equal(weights[n], weights_fp8[n]) for n in weights)
+
+
+def test_any_recipe_but_current_scaling_is_refused_with_the_fix():
+    refusal = r"needs per-tensor current scaling, got delayed scaling.*recipe=current_scaling"
+    with pytest.raises(ValueError, match=refusal):  # pinned: at once
+        _sharded(fp8=True, recipe=delayed_scaling())
+    # from te.autocast, at the gather: here a weight wrapped with a pinned delayed recipe
+    from torch.distributed.device_mesh import init_device_mesh
+
+    shard = FP8GatheredWeight(torch.randn(32, 16), delayed_scaling())
+    with pytest.raises(ValueError, match=refusal):
+        shard.fsdp_pre_all_gather(init_device_mesh("cpu", (1,)), shard.shape, shard.stride(), None, None)
+
+
+def test_a_sharded_model_is_refused_with_the_fix():
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    model = fully_shard(torch.nn.Linear(64, 64), mesh=init_device_mesh("cpu", (1,)))
+    with pytest.raises(
+        ValueError, match=r"weight is sharded already; call fp8_all_gather.*before fully_shard"
+    ):
+        fp8_all_gather(model, _executor())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("magnitude", [0.0, 1e-6, 1.0, 3e4])
+def test_te_v2s_cast_of_a_gathered_weight_is_the_cast_of_the_weight(dtype, magnitude):
+    """What the bitwise steps rest on, over a wide range of values: te_v2's current-scaling cast
+    of what the hooks gather (on one rank) has the FP8 values and the scale, to the bit, of its
+    cast of the weight itself."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    g = torch.Generator().manual_seed(0)
+    w = (torch.randn(256, 128, generator=g) * magnitude * torch.logspace(-3, 0, 128)).to(dtype)
+    w[0, :7] = 0.0
+    shard = FP8GatheredWeight(w, current_scaling())
+    inputs, metadata = shard.fsdp_pre_all_gather(
+        init_device_mesh("cpu", (1,)), w.shape, w.stride(), None, None
+    )
+    gathered, _ = shard.fsdp_post_all_gather(inputs, metadata, dtype)
+
+    def cast(t):
+        scale = reference.scale_from_amax(t.abs().amax().float(), 448.0, current_scaling())
+        return (t.float() * scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).view(torch.uint8), scale
+
+    (q, scale), (q_gathered, scale_gathered) = cast(w), cast(gathered)
+    assert gathered.dtype == dtype and torch.equal(scale_gathered, scale)
+    assert torch.equal(q_gathered, q) and torch.equal(inputs[0], q)
+
+
+def test_a_distributed_checkpoint_of_wrapped_weights_loads_back(tmp_path):
+    """torch.distributed.checkpoint saves the sharded, wrapped weights and loads them into another
+    such model (weights_only, as DCP loads): the same values, still gathered in FP8."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    def sharded(seed: int) -> torch.nn.Module:
+        torch.manual_seed(seed)
+        model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 32))
+        fp8_all_gather(model, _executor())
+        fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
+        return model
+
+    saved, loaded = sharded(0), sharded(1)
+    dcp.save({"model": get_model_state_dict(saved)}, checkpoint_id=tmp_path)
+    state = {"model": get_model_state_dict(loaded)}
+    dcp.load(state, checkpoint_id=tmp_path)
+    set_model_state_dict(loaded, state["model"])
+    for (name, a), b in zip(saved.named_parameters(), loaded.parameters(), strict=True):
+        a, b = a.to_local(), b.to_local()
+        assert type(a) is type(b), name
+        if isinstance(a, FP8GatheredWeight):
+            a, b = a.unwrap(), b.unwrap()
+        assert torch.equal(a, b), name
