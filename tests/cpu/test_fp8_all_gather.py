@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from benchmarks import hf, scaling
 from te_v2_executor import ClaimPolicy, current_scaling, delayed_scaling, make_te_v2
 from te_v2_executor.backends import reference
 from te_v2_executor.fsdp import FP8GatheredWeight, fp8_all_gather, precompute_fp8_all_gather_scales
@@ -39,9 +40,10 @@ def _executor(recipe=None):
     )
 
 
-def _sharded(fp8: bool, recipe=None, *, mixed: bool = False):
-    """A tiny Llama, its weights gathered in FP8 where ``fp8``, sharded per layer (computing in
-    bfloat16 on float32 weights where ``mixed``), through thunderfx."""
+def _sharded(fp8: bool, recipe=None, *, mixed: bool = False, lora: bool = False):
+    """A tiny Llama (with peft's rank-16 adapters on its projections where ``lora``), its weights
+    gathered in FP8 where ``fp8``, sharded per layer (computing in bfloat16 on float32 weights
+    where ``mixed``), through thunderfx."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -49,11 +51,18 @@ def _sharded(fp8: bool, recipe=None, *, mixed: bool = False):
 
     torch._dynamo.reset()
     model = tiny_llama(HIDDEN, torch.float32)
+    if lora:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=16, target_modules=list(hf.FAMILIES)))
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                torch.nn.init.normal_(p, std=0.02)
     executor = _executor(recipe)
     wrapped = fp8_all_gather(model, executor) if fp8 else []
     mesh = init_device_mesh("cpu", (1,))
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16) if mixed else MixedPrecisionPolicy()
-    for layer in model.model.layers:
+    for layer in scaling.decoder_layers(model):
         fully_shard(layer, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
     return model, thunderfx(model, executors=[executor]), wrapped
@@ -69,8 +78,9 @@ def _train(model, fn, *, precompute: bool = False):
         loss.backward()
         with torch.no_grad():
             for p in model.parameters():
-                p -= LR * p.grad
-                p.grad = None
+                if p.grad is not None:
+                    p -= LR * p.grad
+                    p.grad = None
         if precompute:
             precompute_fp8_all_gather_scales(model)
         losses.append(loss.detach())
@@ -92,13 +102,17 @@ def test_it_wraps_the_weights_te_v2_runs_in_fp8_and_no_tied_one():
     assert fp8_all_gather(tiny_llama(HIDDEN, torch.float32), _executor(), world_size=3) == []
 
 
-@pytest.mark.parametrize(("precompute", "mixed"), [(False, False), (True, False), (False, True)])
-def test_steps_are_bitwise_those_of_a_bf16_gather(precompute, mixed):
-    model, fn, wrapped = _sharded(fp8=False, mixed=mixed)
+@pytest.mark.parametrize(
+    ("precompute", "mixed", "lora"),
+    [(False, False, False), (True, False, False), (False, True, False), (True, False, True)],
+)
+def test_steps_are_bitwise_those_of_a_bf16_gather(precompute, mixed, lora):
+    model, fn, wrapped = _sharded(fp8=False, mixed=mixed, lora=lora)
     losses, weights = _train(model, fn)
-    model_fp8, fn_fp8, wrapped = _sharded(fp8=True, mixed=mixed)
+    model_fp8, fn_fp8, wrapped = _sharded(fp8=True, mixed=mixed, lora=lora)
     losses_fp8, weights_fp8 = _train(model_fp8, fn_fp8, precompute=precompute)
-    assert len(wrapped) == 15  # 7 projections a layer and the head
+    # 7 projections a layer and the head; under LoRA also each projection's two adapters
+    assert len(wrapped) == 15 + (2 * 14 if lora else 0)
     assert all(torch.equal(a, b) for a, b in zip(losses, losses_fp8, strict=True)), (losses, losses_fp8)
     assert weights.keys() == weights_fp8.keys()
     assert all(torch.equal(weights[n], weights_fp8[n]) for n in weights)
