@@ -17,8 +17,8 @@ tokens a second per GPU, peak memory, and per step, the collectives FSDP2 and th
 (calls and payload bytes, counted at ``torch.distributed``'s functions: an all-gather's gathered
 tensor, a reduce-scatter's input, an all-reduce's tensor) and, on GPUs, the time of NCCL's
 all-gather, reduce-scatter and all-reduce kernels (torch.profiler). te_v2 runs with its weights
-gathered in BF16 and in FP8 (``fp8_all_gather``, scales precomputed after each backward, as
-torchao's are in its variant).
+gathered in BF16 and in FP8 (``fp8_all_gather``, an amax all-reduce a weight and forward, where
+torchao's variant precomputes all of them after each backward in one).
 
 On the CPU (``--device cpu``, gloo, te_v2's reference backend, a tiny Llama in float32) the
 worker runs the te_v2 variants only; ``tests/cpu/test_scaling_bench.py`` checks it there.
@@ -136,12 +136,6 @@ def _te_v2(fp8_gather: bool) -> Callable[[torch.nn.Module], Callable]:
     return compile
 
 
-def _te_v2_scales(model: torch.nn.Module) -> None:
-    from te_v2_executor import precompute_fp8_all_gather_scales
-
-    precompute_fp8_all_gather_scales(model)
-
-
 def _te_v2_scope() -> contextlib.AbstractContextManager:
     from te_v2_executor import quantization_update_scope
 
@@ -172,7 +166,7 @@ def _torchao_scales(model: torch.nn.Module) -> None:
 
 VARIANTS = {
     "thunderfx + te_v2": Variant(_te_v2(False), _te_v2_scope),
-    "thunderfx + te_v2, FP8 all-gather": Variant(_te_v2(True), _te_v2_scope, _te_v2_scales),
+    "thunderfx + te_v2, FP8 all-gather": Variant(_te_v2(True), _te_v2_scope),
     "te.Linear eager": Variant(_te_linear, _te_autocast),
     "torchao float8 + torch.compile, FP8 all-gather": Variant(_torchao, after_backward=_torchao_scales),
 }

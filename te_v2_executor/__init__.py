@@ -21,7 +21,7 @@ from te_v2_executor.executor import (
     make_te_v2,
     te_v2,
 )
-from te_v2_executor.fsdp import FP8GatheredWeight, fp8_all_gather, precompute_fp8_all_gather_scales
+from te_v2_executor.fsdp import FP8GatheredWeight, fp8_all_gather
 from te_v2_executor.inductor import inductor_ex
 from te_v2_executor.recipes import RecipeSpec, Scaling, block_scaling, current_scaling, delayed_scaling
 from te_v2_executor.report import LinearReport, Report, explain
@@ -60,7 +60,6 @@ __all__ = [
     "inductor_ex",
     "load_quantization_state_dict",
     "make_te_v2",
-    "precompute_fp8_all_gather_scales",
     "quantization_state_dict",
     "quantization_state_template",
     "quantization_update_scope",

@@ -3,29 +3,35 @@
 ``fp8_all_gather(model, executor)``, called before ``fully_shard``, wraps the weight of every
 ``nn.Linear`` that te_v2 would run in FP8 in ``FP8GatheredWeight``, a tensor subclass that FSDP2's
 all-gather extension hooks (``fsdp_pre_all_gather`` / ``fsdp_post_all_gather``) call: each rank
-casts its shard to FP8 E4M3 with the scale of the whole weight's amax (one all-reduce of the
-shards' amaxes, or none after ``precompute_fp8_all_gather_scales``), the all-gather moves the FP8
-bytes, and the gathered weight is the FP8 values times the scale's inverse, in the parameter's
-dtype, which is what the forward and backward read.
+casts its shard to FP8 E4M3 with the scale of the whole weight's amax (an all-reduce of one value
+at each forward's gather; the backward's gather casts as the forward's did, as te_v2's backward
+casts replay the forward's scale), the all-gather moves
+the FP8 bytes, and the gathered weight is the FP8 values times the scale's inverse, in the
+parameter's dtype, which is what the forward and backward read.
 
-Under per-tensor current scaling te_v2 then casts that weight to exactly the FP8 values gathered:
-its amax is the whole weight's (the largest value maps onto the format's largest, which gathers
-exactly), so its scale is the same to the last bit or two, and each value, an FP8 value times
-nearly 1, rounds back to itself. The FP8 GEMMs are therefore bitwise those of a BF16 all-gather
-(``tests/distributed``); te_v2 still casts the gathered weight again, an elementwise pass this
-does not save yet. Delayed scaling would round the gathered values a second time with another
-scale, so the hooks refuse any recipe but per-tensor current scaling, by a ``ValueError`` that
-names the fix.
+Under per-tensor current scaling te_v2 then casts that weight to exactly the FP8 values gathered,
+with the same scale: the gathered weight's largest values are the amax itself, so te_v2 finds
+the same amax, and each other value, an FP8 value times nearly 1, rounds back to itself. The FP8
+GEMMs are therefore bitwise those of a BF16 all-gather (``tests/distributed``); te_v2 still casts
+the gathered weight again, an elementwise pass this does not save yet. The cast is for the dtype
+te_v2 reads the weight in, FSDP2's mixed-precision ``param_dtype``; ``torch.autocast`` is refused
+(thunderfx leaves the linears of an autocast region to PyTorch).
+Delayed scaling would round the gathered values a second time with another scale, so the hooks
+refuse any recipe but per-tensor current scaling, by a ``ValueError`` that names the fix.
 
-What else reads a wrapped weight reads the FP8-rounded values, so only weights read by nothing
-but their ``nn.Linear`` are wrapped (not tied ones), and only where te_v2 runs that linear in FP8
-(its claim policy and TE's shape rules at a token count TE can run); a call whose token count TE
-cannot run falls back with te_v2's ``TEv2FallbackWarning``, reading the rounded weight.
+What else reads a wrapped weight reads the FP8-rounded values, so only the weight of an
+``nn.Linear`` itself (not a subclass, such as attention's output projection, whose weight its
+module reads directly), read by no other module (not tied), is wrapped, and only where te_v2
+runs that linear in FP8 (its claim policy and TE's shape rules at a token count TE can run). A
+wrapped linear that runs outside a compiled function (eagerly, after a graph break, or the model
+called without its compiled callable) warns once; a call whose token count TE cannot run falls
+back with te_v2's ``TEv2FallbackWarning``, reading the rounded weight.
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 from typing import Any
 
 import torch
@@ -33,8 +39,9 @@ import torch.utils._pytree as pytree
 from torch._prims_common import suggest_memory_format
 
 from te_v2_executor import autocast, checks
+from te_v2_executor.backends import Backend
 from te_v2_executor.backends.reference import scale_from_amax
-from te_v2_executor.executor import TEv2Executor, te_v2
+from te_v2_executor.executor import TEv2Executor, _warn_once, te_v2
 from te_v2_executor.recipes import RecipeSpec, Scaling
 
 # what FSDP2 does to a parameter while it shards it and its optimizer steps: these keep the wrapper
@@ -86,8 +93,7 @@ class FP8GatheredWeight(torch.Tensor):
     def __init__(self, tensor: torch.Tensor, recipe: RecipeSpec | None) -> None:
         self._tensor = tensor
         self._recipe = recipe
-        self._gathered_with: RecipeSpec | None = None  # the recipe of the last forward's gather
-        self._amax: tuple[torch.Tensor, int] | None = None  # the whole weight's amax, at a version
+        self._forward: _Cast | None = None  # how the last forward's gather cast, for the backward's
 
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -119,50 +125,51 @@ class FP8GatheredWeight(torch.Tensor):
         """The tensor inside: the weight's (or shard's) own values, unrounded."""
         return self._tensor
 
-    def _gather_recipe(self) -> RecipeSpec:
-        """The recipe this gather casts for, checked: per-tensor current scaling only."""
-        te_recipe = autocast.autocast_recipe()
-        if self._recipe is not None:
-            recipe = self._recipe
-        elif te_recipe is not None:
-            recipe = self._gathered_with = autocast.active_recipe(None)
-        elif self._gathered_with is not None:  # the backward's gather, outside te.autocast
-            recipe = self._gathered_with
-        else:
+    def _forward_cast(self, mesh: Any, mp_policy: Any) -> _Cast:
+        """How a forward's gather casts: the recipe (pinned, else ``te.autocast``'s), the dtype
+        te_v2 will read the weight in (FSDP2's mixed-precision ``param_dtype``, else its own) and
+        the whole weight's amax in it. Refused under ``torch.autocast``: thunderfx leaves linears
+        of an autocast region to PyTorch, which would compute with the FP8-rounded weight."""
+        device = self._tensor.device.type
+        if torch.is_autocast_enabled(device):
             raise ValueError(
-                "te_v2's FP8 all-gather ran outside te.autocast with a te_v2 executor that pins no "
-                "recipe: pin one with make_te_v2(recipe=current_scaling()), or run the forward under "
-                "te.autocast(recipe=Float8CurrentScaling())"
+                "te_v2's FP8 all-gather does not run under torch.autocast: thunderfx leaves linears "
+                "inside an autocast region to PyTorch, which would compute with the FP8-rounded "
+                "weights. Compute in bfloat16 with fully_shard(mp_policy=MixedPrecisionPolicy("
+                "param_dtype=torch.bfloat16)) instead, or leave fp8_all_gather out"
             )
+        recipe = self._recipe
+        if recipe is None:
+            if autocast.autocast_recipe() is None:
+                raise ValueError(
+                    "te_v2's FP8 all-gather ran outside te.autocast with a te_v2 executor that pins no "
+                    "recipe: pin one with make_te_v2(recipe=current_scaling()), or run the forward "
+                    "under te.autocast(recipe=Float8CurrentScaling())"
+                )
+            recipe = autocast.active_recipe(None)
         if recipe.scaling is not Scaling.CURRENT:
             raise ValueError(_NEEDS_CURRENT.format(scaling=recipe.scaling.value))
-        return recipe
-
-    def _whole_amax(self, group: Any, dtype: torch.dtype) -> torch.Tensor:
-        """The amax of the whole weight in ``dtype`` (rounding keeps the order of magnitudes, so
-        it is the rounded amax): precomputed for this version of the shard, or reduced now."""
-        if self._amax is not None and self._amax[1] == self._tensor._version:
-            amax = self._amax[0]
-        else:
-            amax = self._tensor.detach().abs().amax().float()
-            torch.distributed.all_reduce(amax, op=torch.distributed.ReduceOp.MAX, group=group)
-        return amax.to(dtype).float()
+        dtype = getattr(mp_policy, "param_dtype", None) or self._tensor.dtype
+        amax = self._tensor.detach().abs().amax().float()
+        torch.distributed.all_reduce(amax, op=torch.distributed.ReduceOp.MAX, group=mesh.get_group())
+        return _Cast(recipe, dtype, amax.to(dtype).float())
 
     def fsdp_pre_all_gather(
         self, mesh: Any, outer_size: Any, outer_stride: Any, module: Any, mp_policy: Any
     ) -> tuple[tuple[torch.Tensor, ...], Any]:
-        """This rank's shard in FP8 (as bytes) with the whole weight's scale, of the values in the
-        dtype FSDP2 gathers (its mixed-precision ``param_dtype``); the scale's inverse, the amax
-        and the FP8 value the amax casts to."""
-        recipe = self._gather_recipe()
-        fp8_max = recipe.fp8_max(forward=True)
-        dtype = getattr(mp_policy, "param_dtype", None) or self._tensor.dtype
-        amax = self._whole_amax(mesh.get_group(), dtype)
-        scale = scale_from_amax(amax, fp8_max, recipe)
-        shard = self._tensor.detach().to(dtype)
-        data = (shard.float() * scale).clamp(-fp8_max, fp8_max).to(FP8_DTYPE)
-        top = (amax * scale).clamp(max=fp8_max).to(FP8_DTYPE).float()
-        return (data.view(torch.uint8),), (1.0 / scale, amax, top)
+        """This rank's shard in FP8 (as bytes) with the whole weight's scale; the scale's inverse,
+        the amax and the FP8 code the amax casts to. A backward's gather casts as its forward's
+        did: te_v2's backward casts of the weight replay the forward's scale."""
+        backward = torch._C._current_graph_task_id() != -1  # inside autograd's backward
+        if not (backward and self._forward is not None):
+            self._forward = self._forward_cast(mesh, mp_policy)
+        cast = self._forward
+        fp8_max = cast.recipe.fp8_max(forward=True)
+        scale = scale_from_amax(cast.amax, fp8_max, cast.recipe)
+        shard = self._tensor.detach().to(cast.dtype)
+        data = (shard.float() * scale).clamp(-fp8_max, fp8_max).to(FP8_DTYPE).view(torch.uint8)
+        top = (cast.amax * scale).clamp(max=fp8_max).to(FP8_DTYPE).view(torch.uint8)
+        return (data,), (1.0 / scale, cast.amax, top)
 
     def fsdp_post_all_gather(
         self,
@@ -174,16 +181,26 @@ class FP8GatheredWeight(torch.Tensor):
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]] | None:
         """The gathered weight in ``param_dtype``: each FP8 value times the scale's inverse, and
         the largest ones the amax itself, so that te_v2's cast of it finds the same amax, and with
-        it the same scale, to the bit. FSDP2 frees it with the gathered bytes when it reshards."""
+        it the same scale and FP8 values, to the bit (module docstring). FSDP2 frees it with the
+        gathered bytes when it reshards."""
         ((data,), (scale_inv, amax, top)) = all_gather_outputs, metadata
-        q = data.view(FP8_DTYPE).float()
-        values = torch.where(q.abs() == top, torch.copysign(amax, q), q * scale_inv)
-        if out is None:
-            weight = values.to(param_dtype)
-            return weight, (weight,)
-        with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(out):
-            out.copy_(values)
-        return None
+        weight = torch.empty(data.shape, dtype=param_dtype, device=data.device) if out is None else out
+        with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(weight):
+            weight.copy_(data.view(FP8_DTYPE))
+            weight.mul_(scale_inv.to(param_dtype))
+            largest = (data & 0x7F) == top
+            weight.masked_fill_(largest & (data < 0x80), amax.to(param_dtype))
+            weight.masked_fill_(largest & (data >= 0x80), -amax.to(param_dtype))
+        return None if out is not None else (weight, (weight,))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Cast:
+    """How a gather casts a weight: for ``recipe``, in ``dtype``, with its whole ``amax``."""
+
+    recipe: RecipeSpec
+    dtype: torch.dtype
+    amax: torch.Tensor
 
 
 # a checkpoint of a wrapped model (torch.save, torch.distributed.checkpoint) loads with weights_only
@@ -193,17 +210,18 @@ torch.serialization.add_safe_globals([FP8GatheredWeight, RecipeSpec, Scaling])
 def _eligible(linear: torch.nn.Linear, executor: TEv2Executor, world_size: int) -> bool:
     """Whether te_v2 runs ``linear`` in FP8 at a token count TE can run, and FSDP2 shards its
     weight evenly over ``world_size`` ranks."""
-    w = linear.weight
-    cuda = w.device.type == "cuda" and torch.cuda.is_available()
+    w, config = linear.weight, executor.config
+    # TE runs on CUDA: a model still on the meta device or the CPU is sharded before it moves
+    device = "cuda" if config.backend is Backend.TE else w.device.type
+    cuda = device == "cuda" and torch.cuda.is_available()
     operands = checks.LinearOperands(
         x_shape=(checks.SHAPE_DIVISOR[Scaling.CURRENT], w.shape[1]),
         w_shape=tuple(w.shape),
         bias_shape=None if linear.bias is None else tuple(linear.bias.shape),
         dtypes=tuple(t.dtype for t in (w, linear.bias) if t is not None),
-        device_type=w.device.type,
-        compute_capability=torch.cuda.get_device_capability(w.device) if cuda else None,
+        device_type=device,
+        compute_capability=torch.cuda.get_device_capability() if cuda else None,
     )
-    config = executor.config
     recipe = config.recipe or RecipeSpec(scaling=Scaling.CURRENT)
     decision = checks.decide(operands, recipe, config.backend, config.claim)
     return decision.fp8 and w.shape[0] % world_size == 0
@@ -236,25 +254,29 @@ def fp8_all_gather(
                 f"fp8_all_gather: {name}.weight is sharded already; call fp8_all_gather(model, ...) "
                 "before fully_shard, which then shards the wrapped weights"
             )
-        if uses[id(w)] != 1 or not _eligible(module, executor, world_size):
+        if (
+            type(module) is not torch.nn.Linear
+            or uses[id(w)] != 1
+            or not _eligible(module, executor, world_size)
+        ):
             continue
         module.weight = torch.nn.Parameter(FP8GatheredWeight(w.data, executor.config.recipe), w.requires_grad)
+        module.register_forward_pre_hook(_ran_outside_compiled(f"{name}.weight" if name else "weight"))
         wrapped.append(f"{name}.weight" if name else "weight")
     return wrapped
 
 
-@torch.no_grad()
-def precompute_fp8_all_gather_scales(model: torch.nn.Module) -> None:
-    """The whole-weight amax of every FP8-gathered weight of ``model``, in one all-reduce, for
-    the next gathers: call it after the optimizer's step. A shard written after it (its version
-    moves) is reduced again at its gather."""
-    shards: collections.defaultdict[Any, list[FP8GatheredWeight]] = collections.defaultdict(list)
-    for p in model.parameters():
-        local = getattr(p, "_local_tensor", None)  # FSDP2's shard itself, which its gathers read
-        if isinstance(local, FP8GatheredWeight):
-            shards[p.device_mesh.get_group()].append(local)
-    for group, found in shards.items():
-        amaxes = torch.stack([s._tensor.abs().amax().float() for s in found])
-        torch.distributed.all_reduce(amaxes, op=torch.distributed.ReduceOp.MAX, group=group)
-        for shard, amax in zip(found, amaxes.unbind(), strict=True):
-            shard._amax = (amax, shard._tensor._version)
+def _ran_outside_compiled(name: str) -> Any:
+    """A forward pre-hook that warns once where the linear runs eagerly: on the FP8-rounded
+    weight it gathers, without te_v2 (in a compiled function the hook is traced away)."""
+
+    def hook(module: torch.nn.Module, args: Any) -> None:
+        if not torch.compiler.is_compiling():
+            _warn_once(
+                f"te_v2: {name}, gathered in FP8 by fp8_all_gather, runs outside a compiled function "
+                "(eagerly, after a graph break, or the model called instead of its compiled callable), "
+                "so on its FP8-rounded weight without te_v2: call the compiled model, or leave this "
+                "linear out of fp8_all_gather"
+            )
+
+    return hook

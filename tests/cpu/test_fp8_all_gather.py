@@ -5,6 +5,8 @@ ranks, where the all-gather moves a byte a value: ``tests/distributed``."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -12,7 +14,7 @@ import torch.distributed as dist
 from benchmarks import hf, scaling
 from te_v2_executor import ClaimPolicy, current_scaling, delayed_scaling, make_te_v2
 from te_v2_executor.backends import reference
-from te_v2_executor.fsdp import FP8GatheredWeight, fp8_all_gather, precompute_fp8_all_gather_scales
+from te_v2_executor.fsdp import FP8GatheredWeight, fp8_all_gather
 from tests.models import tiny_llama
 
 pytest.importorskip("transformers")
@@ -68,7 +70,7 @@ def _sharded(fp8: bool, recipe=None, *, mixed: bool = False, lora: bool = False)
     return model, thunderfx(model, executors=[executor]), wrapped
 
 
-def _train(model, fn, *, precompute: bool = False):
+def _train(model, fn):
     """STEPS SGD steps on fixed token ids: the losses and the weights after."""
     gen = torch.Generator().manual_seed(1)
     losses = []
@@ -81,8 +83,6 @@ def _train(model, fn, *, precompute: bool = False):
                 if p.grad is not None:
                     p -= LR * p.grad
                     p.grad = None
-        if precompute:
-            precompute_fp8_all_gather_scales(model)
         losses.append(loss.detach())
     weights = {n: p.to_local().detach().clone() for n, p in model.named_parameters()}
     return losses, {n: w._tensor if isinstance(w, FP8GatheredWeight) else w for n, w in weights.items()}
@@ -98,19 +98,21 @@ def test_it_wraps_the_weights_te_v2_runs_in_fp8_and_no_tied_one():
     assert set(wrapped) == expected - {"model.layers.0.mlp.down_proj.weight"}
     assert not isinstance(model.lm_head.weight, FP8GatheredWeight)
     assert isinstance(model.model.layers[1].mlp.down_proj.weight, FP8GatheredWeight)
+    # attention's output projection, a subclass of nn.Linear its module reads directly
+    assert fp8_all_gather(torch.nn.MultiheadAttention(64, 4), _executor(), world_size=1) == []
+    # the TE backend's: a model still on the CPU (or the meta device) moves to CUDA before it runs
+    te_backend = make_te_v2(recipe=current_scaling(), claim=ClaimPolicy(min_features=16))
+    assert len(fp8_all_gather(tiny_llama(HIDDEN, torch.float32), te_backend, world_size=1)) == 15
     # rows of 32 to 128: none divides evenly among 3 ranks
     assert fp8_all_gather(tiny_llama(HIDDEN, torch.float32), _executor(), world_size=3) == []
 
 
-@pytest.mark.parametrize(
-    ("precompute", "mixed", "lora"),
-    [(False, False, False), (True, False, False), (False, True, False), (True, False, True)],
-)
-def test_steps_are_bitwise_those_of_a_bf16_gather(precompute, mixed, lora):
+@pytest.mark.parametrize(("mixed", "lora"), [(False, False), (True, False), (False, True)])
+def test_steps_are_bitwise_those_of_a_bf16_gather(mixed, lora):
     model, fn, wrapped = _sharded(fp8=False, mixed=mixed, lora=lora)
     losses, weights = _train(model, fn)
     model_fp8, fn_fp8, wrapped = _sharded(fp8=True, mixed=mixed, lora=lora)
-    losses_fp8, weights_fp8 = _train(model_fp8, fn_fp8, precompute=precompute)
+    losses_fp8, weights_fp8 = _train(model_fp8, fn_fp8)
     # 7 projections a layer and the head; under LoRA also each projection's two adapters
     assert len(wrapped) == 15 + (2 * 14 if lora else 0)
     assert all(torch.equal(a, b) for a, b in zip(losses, losses_fp8, strict=True)), (losses, losses_fp8)
@@ -193,3 +195,27 @@ def test_a_distributed_checkpoint_of_wrapped_weights_loads_back(tmp_path):
         if isinstance(a, FP8GatheredWeight):
             a, b = a.unwrap(), b.unwrap()
         assert torch.equal(a, b), name
+
+
+def test_a_wrapped_linear_run_outside_the_compiled_model_warns_once():
+    from te_v2_executor import TEv2FallbackWarning
+
+    model, fn, _ = _sharded(fp8=True)
+    ids = torch.zeros(2, SEQUENCE, dtype=torch.long)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fn(input_ids=ids, use_cache=False)
+        assert not [w for w in caught if "outside a compiled function" in str(w.message)]
+        model(input_ids=ids, use_cache=False)
+    eager = [w for w in caught if "outside a compiled function" in str(w.message)]
+    assert eager and all(w.category is TEv2FallbackWarning for w in eager)
+    assert "call the compiled model, or leave this linear out of fp8_all_gather" in str(eager[0].message)
+
+
+def test_torch_autocast_is_refused_with_the_fix():
+    """thunderfx leaves the linears of a torch.autocast region to PyTorch (seen: the second of two
+    linears ran outside Thunder), which would compute with the FP8-rounded weights, silently."""
+    _, fn, _ = _sharded(fp8=True)
+    refusal = r"does not run under torch.autocast.*MixedPrecisionPolicy"
+    with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(ValueError, match=refusal):
+        fn(input_ids=torch.zeros(2, SEQUENCE, dtype=torch.long), use_cache=False)
