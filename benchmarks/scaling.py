@@ -203,17 +203,14 @@ def counted_collectives() -> Iterator[dict[str, dict[str, int]]]:
 
 def nccl_ms(step: Callable[[], None]) -> dict[str, float]:
     """GPU milliseconds of NCCL's all-gather, reduce-scatter and all-reduce kernels in one step."""
-    activities = [torch.profiler.ProfilerActivity.CUDA]
-    with torch.profiler.profile(activities=activities) as prof:
-        step()
-        torch.cuda.synchronize()
+    from benchmarks.profile_step import kernel_times
+
     found = dict.fromkeys(NCCL_KINDS, 0.0)
-    for e in prof.events():
-        name = e.name.lower().replace("_", "")
-        if e.device_type == torch.autograd.DeviceType.CUDA and "nccl" in name:
-            kind = next((k for k, key in NCCL_KINDS.items() if key in name), None)
-            if kind is not None:
-                found[kind] += e.device_time_total / 1e3
+    for name, _, ms in kernel_times(step):
+        key = name.lower().replace("_", "")
+        kind = next((k for k, part in NCCL_KINDS.items() if part in key), None)
+        if "nccl" in key and kind is not None:
+            found[kind] += ms
     return found
 
 
@@ -237,7 +234,9 @@ def make_step(
     return step
 
 
-def measured(step: Callable[[], None], device: torch.device, *, warmup: int, steps: int) -> dict[str, Any]:
+def measured(
+    step: Callable[[], None], model: torch.nn.Module, device: torch.device, *, warmup: int, steps: int
+) -> dict[str, Any]:
     """Step time, collectives per step and (on a GPU) peak memory and NCCL kernel time."""
     for _ in range(warmup):
         step()
@@ -254,10 +253,9 @@ def measured(step: Callable[[], None], device: torch.device, *, warmup: int, ste
         _synchronize(device)
     found["collectives"] = counts
     if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-        step()
-        torch.cuda.synchronize(device)
-        found["peak_mib"] = torch.cuda.max_memory_allocated(device) / 2**20
+        from benchmarks.measure import peak_memory_above
+
+        found["peak_mib"] = peak_memory_above(step, model, baseline=0) / 2**20
         found["nccl_ms"] = nccl_ms(step)
     return found
 
@@ -273,25 +271,26 @@ def run_worker(
     row: dict[str, Any] = {"model": model_name, "scenario": scenario, "variant": variant_name, "gpus": world}
     row["tokens_per_rank"] = batch * sequence
 
-    def build() -> Callable[[], None]:
+    def build() -> tuple[torch.nn.Module, Callable[[], None]]:
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         model = hf.llama(MODELS[model_name], scenario, device=device, dtype=dtype)
         g = torch.Generator(device=device).manual_seed(INPUT_SEED + dist.get_rank())
         ids = torch.randint(
             0, MODELS[model_name]["vocab_size"], (batch, sequence), device=device, generator=g
         )
-        return make_step(variant, model, variant.compile(model), ids)
+        return model, make_step(variant, model, variant.compile(model), ids)
 
-    step = in_step(row, build, device)
-    if step is None:
+    built = in_step(row, build, device)
+    if built is None:
         return row
+    model, step = built
     start = time.perf_counter()
     in_step(row, step, device)
     if "error" in row:
         return row
     _synchronize(device)
     row["first_call_s"] = time.perf_counter() - start
-    found = in_step(row, lambda: measured(step, device, warmup=warmup, steps=steps), device)
+    found = in_step(row, lambda: measured(step, model, device, warmup=warmup, steps=steps), device)
     if found is None:
         return row
     row.update(found)

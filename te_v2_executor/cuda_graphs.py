@@ -241,11 +241,9 @@ class _CheckedRunner(CUDAGraphRunner):
         argument over the memory of one of those: a copy of it would not see a write through the
         other."""
         mask = super().make_static_inputs_mask(fn_name, *args)
-        fixed = {_address(a, storage=True) for a, in_place in zip(args, mask, strict=True) if in_place}
-        return tuple(
-            in_place or _address(a, storage=True) in fixed - {None}
-            for a, in_place in zip(args, mask, strict=True)
-        )
+        addresses = [_address(a, storage=True) for a in args]
+        fixed = {at for at, in_place in zip(addresses, mask, strict=True) if in_place} - {None}
+        return tuple(in_place or at in fixed for at, in_place in zip(addresses, mask, strict=True))
 
     def get_static_buffer(self, x: Any) -> Any:
         """Thunder's copy of an argument, or, for one that shares memory with another the graph

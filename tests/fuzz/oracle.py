@@ -264,9 +264,9 @@ def check(program: Program, *, delayed: bool = False, graphs: bool = False) -> V
         return verdict
     if delayed or graphs:
         stateful = execute(program, "te_v2", recipe=_DELAYED, steps=DELAYED_STEPS)
-    if delayed:
+    if delayed or (graphs and stateful[-1].error):  # the graphs check alone reports its raise too
         _check_delayed(program, verdict, stateful)
-    if graphs and not verdict.failed and not stateful[-1].error:
+    if graphs and not verdict.failed:
         graphed = execute(program, "te_v2 graphed", recipe=_DELAYED, steps=DELAYED_STEPS)
         _check_steps(verdict, stateful, graphed, "under CUDA graphs", "itself without CUDA graphs", None)
     return verdict
