@@ -191,7 +191,21 @@ class FP8GatheredWeight(torch.Tensor):
             largest = (data & 0x7F) == top
             weight.masked_fill_(largest & (data < 0x80), amax.to(param_dtype))
             weight.masked_fill_(largest & (data >= 0x80), -amax.to(param_dtype))
+        _read_on_current_stream(scale_inv, amax, top)
         return None if out is not None else (weight, (weight,))
+
+
+def _read_on_current_stream(*tensors: torch.Tensor) -> None:
+    """Keep ``tensors``' memory from reuse until the current stream's work so far has run.
+
+    FSDP2 runs ``fsdp_pre_all_gather`` on its all-gather copy-in stream, and frees the metadata it
+    made there as soon as ``fsdp_post_all_gather`` returns on the compute stream: without this,
+    the next layer's gather could write its own scale into that memory before this layer's
+    gathered weight was computed from it (steps then differ from a BF16 gather's on GPUs only).
+    """
+    for t in tensors:
+        if t.is_cuda:
+            t.record_stream(torch.cuda.current_stream(t.device))
 
 
 @dataclasses.dataclass(frozen=True)

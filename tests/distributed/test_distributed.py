@@ -7,9 +7,6 @@ same scenarios and checks (no autocast there: amaxes reduce over the default gro
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -17,6 +14,7 @@ import pytest
 import torch
 
 from te_v2_executor import backends
+from tests.distributed.launch import assert_fp8_gather_is_bitwise, rank_results, torchrun
 from tests.distributed.worker import STEPS
 from tests.gpu.common import FP8_TOLS
 
@@ -27,8 +25,6 @@ KINDS = ("full", "lora")
 SCENARIOS = [f"{w}-{m}" for w in WRAPPERS for m in KINDS] + ["fsdp2-llama", "fsdp2-llamafrozen"]
 # the Llama under current scaling, its weights gathered in BF16 and in FP8 (te_v2_executor.fsdp)
 CURRENT_SCENARIOS = ["fsdp2_current-llama", "fsdp2_fp8-llama"]
-ROOT = Path(__file__).resolve().parents[2]
-LAUNCH_TIMEOUT_S = 480
 
 _two_gpus = torch.cuda.is_available() and torch.cuda.device_count() >= WORLD and backends.te_available()
 DEVICES = [
@@ -64,30 +60,6 @@ QUANT_STATE_TENSORS = {
 }
 
 
-def torchrun(
-    out: Path, device: str, *scenarios: str, timeout_s: float = LAUNCH_TIMEOUT_S, ranks: int = WORLD
-):
-    """Run the worker on ``ranks`` ranks; the completed process (stdout and stderr merged)."""
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc_per_node={ranks}",
-        "-m",
-        "tests.distributed.worker",
-        "--out",
-        str(out),
-        "--device",
-        device,
-        *scenarios,
-    ]
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    return subprocess.run(
-        command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s, check=False
-    )
-
-
 class Results:
     """The per-rank results of every scenario, from one torchrun launch per device kind, and of
     the restores of its checkpoints, from one more launch on a single rank."""
@@ -97,7 +69,9 @@ class Results:
         self.out = out
         checkpointed = [f"fsdp2_checkpoint-{k}" for k in KINDS]
         builtin = ["builtin_ddp-full"] if device == "cuda" else []
-        self.launch = torchrun(out, device, *SCENARIOS, *CURRENT_SCENARIOS, *checkpointed, *builtin)
+        self.launch = torchrun(
+            out, device, *SCENARIOS, *CURRENT_SCENARIOS, *checkpointed, *builtin, ranks=WORLD
+        )
         self.restore = torchrun(out, device, *(f"restored-{k}" for k in KINDS), ranks=1)
         self._loaded: dict[str, list[dict]] = {}
 
@@ -107,10 +81,7 @@ class Results:
         if launch.returncode != 0:
             pytest.fail(f"torchrun failed:\n{launch.stdout[-4000:]}\n{launch.stderr[-8000:]}")
         if scenario not in self._loaded:
-            self._loaded[scenario] = [
-                torch.load(self.out / f"{scenario}.rank{r}.pt", weights_only=False)
-                for r in range(1 if restored else WORLD)
-            ]
+            self._loaded[scenario] = rank_results(self.out, scenario, 1 if restored else WORLD)
         ranks = self._loaded[scenario]
         for rank, r in enumerate(ranks):
             if "error" in r:
@@ -145,23 +116,12 @@ def test_weights_and_losses_match_a_single_process_run(results, scenario):
 
 
 def test_an_fp8_all_gather_trains_bitwise_as_a_bf16_one_moving_a_byte_a_value(results):
-    """The Llama's seven projections a layer and its head gathered in FP8: losses and weights on
-    every rank bitwise those of the BF16 all-gather, and each step's all-gathers that many bytes
-    fewer, each layer's weights gathered in the forward and again in the backward, the root's
-    (the head) once."""
-    for bf16, fp8 in zip(results["fsdp2_current-llama"], results["fsdp2_fp8-llama"], strict=True):
-        gathered = fp8["fp8_gathered"]
-        assert len(gathered) == 2 * 7 + 1 and not bf16["fp8_gathered"], sorted(gathered)
-        assert all(torch.equal(a, b) for a, b in zip(bf16["losses"], fp8["losses"], strict=True))
-        assert bf16["weights"].keys() == fp8["weights"].keys()
-        for name, w in bf16["weights"].items():
-            assert torch.equal(w, fp8["weights"][name]), name
-        itemsize = next(iter(bf16["weights"].values())).itemsize
-        fewer = sum((itemsize - 1) * n * (2 if ".layers." in name else 1) for name, n in gathered.items())
-        assert bf16["all_gather_bytes"] - fp8["all_gather_bytes"] == fewer
+    """FP8 and BF16 all-gathers of the Llama step alike, the FP8 one moving a byte a value."""
+    bf16, fp8 = results["fsdp2_current-llama"], results["fsdp2_fp8-llama"]
+    assert_fp8_gather_is_bitwise(bf16, fp8)
     print(
-        f"\n[{results.device}] all-gather bytes per step on rank 0: BF16 {bf16['all_gather_bytes']:.0f}, "
-        f"FP8 {fp8['all_gather_bytes']:.0f}"
+        f"\n[{results.device}] all-gather bytes per step on rank 0: BF16 {bf16[0]['all_gather_bytes']:.0f}, "
+        f"FP8 {fp8[0]['all_gather_bytes']:.0f}"
     )
 
 
@@ -244,7 +204,7 @@ def test_frozen_weights_run_no_wgrad_on_any_rank(results, scenario):
 @pytest.mark.parametrize("device", DEVICES)
 def test_a_rank_that_raises_fails_the_run_with_its_error(device, tmp_path):
     start = time.monotonic()
-    done = torchrun(tmp_path, device, "fail", timeout_s=300)
+    done = torchrun(tmp_path, device, "fail", ranks=WORLD, timeout_s=300)
     elapsed = time.monotonic() - start
     output = done.stdout + done.stderr
     assert done.returncode != 0
