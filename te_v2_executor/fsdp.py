@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import weakref
 from typing import Any
 
 import torch
@@ -161,6 +162,8 @@ class FP8GatheredWeight(torch.Tensor):
         the amax and the FP8 code the amax casts to. A backward's gather casts as its forward's
         did: te_v2's backward casts of the weight replay the forward's scale."""
         backward = torch._C._current_graph_task_id() != -1  # inside autograd's backward
+        if self._forward is None:
+            _refuse_resharding_onto_fewer_ranks(self)
         if not (backward and self._forward is not None):
             self._forward = self._forward_cast(mesh, mp_policy)
         cast = self._forward
@@ -215,6 +218,31 @@ class _Cast:
     recipe: RecipeSpec
     dtype: torch.dtype
     amax: torch.Tensor
+
+
+# the models whose weights fp8_all_gather wrapped, whose FSDP2 groups a first gather checks
+_MODELS: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
+
+
+def _refuse_resharding_onto_fewer_ranks(shard: FP8GatheredWeight) -> None:
+    """Raise where the FSDP2 module that holds ``shard`` reshards after the forward onto fewer
+    ranks (``fully_shard(reshard_after_forward=<int>)``): FSDP2 would keep the gathered FP8 bytes
+    as a parameter and fail inside its own code. Reads FSDP2's private state; where it is not
+    found (another torch), FSDP2's own error stands."""
+    for model in _MODELS:
+        for name, module in model.named_modules():
+            state = getattr(module, "_get_fsdp_state", None)
+            group = getattr(state() if callable(state) else None, "_fsdp_param_group", None)
+            fewer = getattr(group, "post_forward_mesh_info", None)
+            if fewer is None or fewer == group.mesh_info:  # no reshard, or onto all ranks
+                continue
+            if any(getattr(p.sharded_param, "_local_tensor", None) is shard for p in group.fsdp_params):
+                raise ValueError(
+                    f"te_v2's FP8 all-gather cannot run under fully_shard({name or 'model'}, "
+                    "reshard_after_forward=<int>): FSDP2 reshards no all-gather extension onto fewer "
+                    "ranks. Shard the modules holding the weights fp8_all_gather wrapped with "
+                    "reshard_after_forward=True or False, or leave fp8_all_gather out"
+                )
 
 
 # a checkpoint of a wrapped model (torch.save, torch.distributed.checkpoint) loads with weights_only
@@ -277,6 +305,7 @@ def fp8_all_gather(
         module.weight = torch.nn.Parameter(FP8GatheredWeight(w.data, executor.config.recipe), w.requires_grad)
         module.register_forward_pre_hook(_ran_outside_compiled(f"{name}.weight" if name else "weight"))
         wrapped.append(f"{name}.weight" if name else "weight")
+    _MODELS.add(model)
     return wrapped
 
 

@@ -143,6 +143,36 @@ def test_a_sharded_model_is_refused_with_the_fix():
         fp8_all_gather(model, _executor())
 
 
+def _reshard_onto_fewer_ranks(rank: int, store_path: str, world: int) -> None:
+    """One of ``world`` gloo ranks: two wrapped layers that reshard onto half the ranks after
+    the forward; the first gather must raise te_v2's error, not FSDP2's."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
+    try:
+        model = torch.nn.Sequential(*(torch.nn.Sequential(torch.nn.Linear(64, 64)) for _ in range(2)))
+        assert len(fp8_all_gather(model, _executor())) == 2
+        mesh = init_device_mesh("cpu", (world,))
+        for layer in model:
+            fully_shard(layer, mesh=mesh, reshard_after_forward=world // 2)
+        fully_shard(model, mesh=mesh)
+        with warnings.catch_warnings(), pytest.raises(ValueError, match=r"reshard_after_forward=<int>"):
+            warnings.simplefilter("ignore")  # the layers run eagerly here, which warns
+            model(torch.randn(16, 64))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_resharding_onto_fewer_ranks_after_the_forward_is_refused_with_the_fix(tmp_path):
+    """FSDP2 keeps no all-gather extension's output sharded onto fewer ranks (it failed with
+    "only Tensors of floating point dtype can require gradients" after the forward)."""
+    world = 4
+    torch.multiprocessing.spawn(
+        _reshard_onto_fewer_ranks, args=(str(tmp_path / "store"), world), nprocs=world, join=True
+    )
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("magnitude", [0.0, 1e-6, 1.0, 3e4])
 def test_te_v2s_cast_of_a_gathered_weight_is_the_cast_of_the_weight(dtype, magnitude):
