@@ -314,6 +314,11 @@ def _ran_outside_compiled(name: str) -> Any:
     weight it gathers, without te_v2 (in a compiled function the hook is traced away)."""
 
     def hook(module: torch.nn.Module, args: Any) -> None:
+        if isinstance(module.weight, FP8GatheredWeight):  # FSDP2 registers the gathered weight
+            raise ValueError(
+                f"te_v2: {name} was wrapped by fp8_all_gather but is not sharded: call fully_shard "
+                "on the model (or its blocks) after fp8_all_gather, or leave fp8_all_gather out"
+            )
         if not torch.compiler.is_compiling():
             _warn_once(
                 f"te_v2: {name}, gathered in FP8 by fp8_all_gather, runs outside a compiled function "

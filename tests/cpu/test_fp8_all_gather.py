@@ -143,6 +143,20 @@ def test_a_sharded_model_is_refused_with_the_fix():
         fp8_all_gather(model, _executor())
 
 
+def test_a_wrapped_model_left_unsharded_is_refused_with_the_fix():
+    """thunderfx failed in Thunder's tree_flatten of the wrapper; eagerly it ran unrounded."""
+    from te_v2_executor import thunderfx
+
+    torch._dynamo.reset()
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU(), torch.nn.Linear(64, 64))
+    executor = _executor()
+    assert fp8_all_gather(model, executor) == ["0.weight", "2.weight"]
+    fix = r"0.weight was wrapped by fp8_all_gather but is not sharded: call fully_shard"
+    for fn in (model, thunderfx(model, executors=[executor])):
+        with pytest.raises(ValueError, match=fix):
+            fn(torch.randn(16, 64))
+
+
 def _reshard_onto_fewer_ranks(rank: int, store_path: str, world: int) -> None:
     """One of ``world`` gloo ranks: two wrapped layers that reshard onto half the ranks after
     the forward; the first gather must raise te_v2's error, not FSDP2's."""
