@@ -3,13 +3,17 @@
 On the CPU (``tests/cpu/test_fp8_all_gather.py``, ``tests/distributed``) nothing runs
 concurrently. On a GPU, FSDP2 casts each layer's shard on its all-gather copy-in stream while
 the compute stream still runs the previous layer, so what the hooks pass between the two
-streams must not be reused early; a Hugging Face Llama sharded per decoder layer on one rank,
-five steps, bitwise those of a BF16 all-gather, finds it if it is.
+streams must not be reused early: the weight each eagerly run linear reads is checked against
+its own gathered FP8 values, and a Hugging Face Llama sharded per decoder layer on one rank
+trains five steps bitwise as with a BF16 all-gather.
 """
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
+import torch
 
 from tests.distributed.launch import assert_fp8_gather_is_bitwise, rank_results, torchrun
 from tests.gpu.common import requires_te_gpu
@@ -26,3 +30,71 @@ def test_an_fp8_all_gather_trains_bitwise_as_a_bf16_one_on_a_gpu(tmp_path):
     for r in (*bf16, *fp8):
         assert "error" not in r, r.get("error")
     assert_fp8_gather_is_bitwise(bf16, fp8)
+
+
+@pytest.fixture
+def one_nccl_rank(tmp_path):
+    """A NCCL process group of this process alone, on the current GPU."""
+    import torch.distributed as dist
+
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("nccl", store=store, rank=0, world_size=1, device_id=torch.device("cuda", 0))
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_each_layer_reads_its_own_gathered_fp8_weight_while_the_gpu_lags(one_nccl_rank):
+    """Eight layers of two large linears, each sharded on its own, run eagerly three times: the
+    weight each linear reads is exactly its own FP8 values times its own scale's inverse, though
+    FSDP2 casts the next layer's shard on its copy-in stream while this layer still computes."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from te_v2_executor import current_scaling, make_te_v2
+    from te_v2_executor.fsdp import FP8GatheredWeight, fp8_all_gather
+    from tests.helpers import CLAIM_ALL
+
+    torch.manual_seed(0)
+    dim = 4096
+    model = torch.nn.Sequential(
+        *(
+            torch.nn.Sequential(torch.nn.Linear(dim, dim, bias=False), torch.nn.Linear(dim, dim, bias=False))
+            for _ in range(8)
+        )
+    ).to("cuda", torch.bfloat16)
+    for i, p in enumerate(model.parameters()):
+        p.data.mul_(1 + i)  # a scale of its own for each weight
+    executor = make_te_v2(recipe=current_scaling(), claim=CLAIM_ALL)
+    mesh = init_device_mesh("cuda", (1,))
+
+    def gathered(w: torch.Tensor) -> torch.Tensor:
+        shard = FP8GatheredWeight(w.detach().clone(), executor.config.recipe)
+        (data,), meta = shard.fsdp_pre_all_gather(mesh, None, None, None, None)
+        return shard.fsdp_post_all_gather((data,), meta, w.dtype)[0]
+
+    linears = [m for layer in model for m in layer]
+    expected = [gathered(m.weight) for m in linears]
+    assert len(fp8_all_gather(model, executor, world_size=1)) == len(linears)
+    for layer in model:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    seen: list[list[torch.Tensor]] = [[] for _ in linears]
+    for i, m in enumerate(linears):
+        m.register_forward_pre_hook(lambda mod, args, i=i: seen[i].append(mod.weight.detach().clone()))
+    x = torch.randn(16384, dim, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the linears run eagerly, which warns
+        for _ in range(3):
+            model(x)
+    torch.cuda.synchronize()
+    wrong = [
+        (i, call)
+        for i, calls in enumerate(seen)
+        for call, w in enumerate(calls)
+        if not torch.equal(w, expected[i])
+    ]
+    assert all(len(calls) == 3 for calls in seen) and not wrong, (
+        f"(linear, call) read another weight: {wrong}"
+    )
