@@ -310,8 +310,9 @@ def fp8_all_gather(
 
 
 def _ran_outside_compiled(name: str) -> Any:
-    """A forward pre-hook that warns once where the linear runs eagerly: on the FP8-rounded
-    weight it gathers, without te_v2 (in a compiled function the hook is traced away)."""
+    """A forward pre-hook that refuses a wrapped linear FSDP2 never sharded (its weight is still
+    the wrapper), and warns once where the linear runs eagerly: on the FP8-rounded weight it
+    gathers, without te_v2 (in a compiled function the warning is traced away)."""
 
     def hook(module: torch.nn.Module, args: Any) -> None:
         if isinstance(module.weight, FP8GatheredWeight):  # FSDP2 registers the gathered weight

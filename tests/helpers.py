@@ -362,3 +362,34 @@ def capture_taped(self: Any, fn: Callable, args: list[Any], static_args_mask: tu
     with tape:
         outputs = fn(*static)
     return tape, static, outputs
+
+
+@contextlib.contextmanager
+def file_store_process_group(
+    backend: str, store_path: str, *, rank: int = 0, world_size: int = 1, **options: Any
+) -> Iterator[None]:
+    """A ``backend`` process group of ``world_size`` ranks (this process alone by default) over a
+    file store at ``store_path``, destroyed on exit."""
+    import torch.distributed as dist
+
+    store = dist.FileStore(store_path, world_size)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, **options)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def gathered_on_one_rank(
+    weight: torch.Tensor, recipe: RecipeSpec | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """What ``fp8_all_gather``'s hooks gather of ``weight`` on a mesh of one rank on its device:
+    the FP8 bytes, and the weight they make of them in ``weight``'s dtype."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from te_v2_executor.fsdp import FP8GatheredWeight
+
+    shard = FP8GatheredWeight(weight.detach().clone(), recipe)
+    mesh = init_device_mesh(weight.device.type, (1,))
+    (data,), metadata = shard.fsdp_pre_all_gather(mesh, weight.shape, weight.stride(), None, None)
+    return data, shard.fsdp_post_all_gather((data,), metadata, weight.dtype)[0]

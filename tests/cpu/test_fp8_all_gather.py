@@ -15,6 +15,7 @@ from benchmarks import hf, scaling
 from te_v2_executor import ClaimPolicy, current_scaling, delayed_scaling, make_te_v2
 from te_v2_executor.backends import reference
 from te_v2_executor.fsdp import FP8GatheredWeight, fp8_all_gather
+from tests.helpers import file_store_process_group, gathered_on_one_rank
 from tests.models import tiny_llama
 
 pytest.importorskip("transformers")
@@ -28,12 +29,8 @@ def one_rank(tmp_path_factory):
     if dist.is_initialized():
         yield
         return
-    store = dist.FileStore(str(tmp_path_factory.mktemp("store") / "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    try:
+    with file_store_process_group("gloo", str(tmp_path_factory.mktemp("store") / "store")):
         yield
-    finally:
-        dist.destroy_process_group()
 
 
 def _executor(recipe=None):
@@ -163,8 +160,7 @@ def _reshard_onto_fewer_ranks(rank: int, store_path: str, world: int) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
-    try:
+    with file_store_process_group("gloo", store_path, rank=rank, world_size=world):
         model = torch.nn.Sequential(*(torch.nn.Sequential(torch.nn.Linear(64, 64)) for _ in range(2)))
         assert len(fp8_all_gather(model, _executor())) == 2
         mesh = init_device_mesh("cpu", (world,))
@@ -174,8 +170,6 @@ def _reshard_onto_fewer_ranks(rank: int, store_path: str, world: int) -> None:
         with warnings.catch_warnings(), pytest.raises(ValueError, match=r"reshard_after_forward=<int>"):
             warnings.simplefilter("ignore")  # the layers run eagerly here, which warns
             model(torch.randn(16, 64))
-    finally:
-        dist.destroy_process_group()
 
 
 def test_resharding_onto_fewer_ranks_after_the_forward_is_refused_with_the_fix(tmp_path):
@@ -193,16 +187,10 @@ def test_te_v2s_cast_of_a_gathered_weight_is_the_cast_of_the_weight(dtype, magni
     """What the bitwise steps rest on, over a wide range of values: te_v2's current-scaling cast
     of what the hooks gather (on one rank) has the FP8 values and the scale, to the bit, of its
     cast of the weight itself."""
-    from torch.distributed.device_mesh import init_device_mesh
-
     g = torch.Generator().manual_seed(0)
     w = (torch.randn(256, 128, generator=g) * magnitude * torch.logspace(-3, 0, 128)).to(dtype)
     w[0, :7] = 0.0
-    shard = FP8GatheredWeight(w, current_scaling())
-    inputs, metadata = shard.fsdp_pre_all_gather(
-        init_device_mesh("cpu", (1,)), w.shape, w.stride(), None, None
-    )
-    gathered, _ = shard.fsdp_post_all_gather(inputs, metadata, dtype)
+    data, gathered = gathered_on_one_rank(w, current_scaling())
 
     def cast(t):
         scale = reference.scale_from_amax(t.abs().amax().float(), 448.0, current_scaling())
@@ -210,7 +198,7 @@ def test_te_v2s_cast_of_a_gathered_weight_is_the_cast_of_the_weight(dtype, magni
 
     (q, scale), (q_gathered, scale_gathered) = cast(w), cast(gathered)
     assert gathered.dtype == dtype and torch.equal(scale_gathered, scale)
-    assert torch.equal(q_gathered, q) and torch.equal(inputs[0], q)
+    assert torch.equal(q_gathered, q) and torch.equal(data, q)
 
 
 def test_a_distributed_checkpoint_of_wrapped_weights_loads_back(tmp_path):

@@ -17,6 +17,7 @@ import torch
 
 from tests.distributed.launch import assert_fp8_gather_is_bitwise, rank_results, torchrun
 from tests.gpu.common import requires_te_gpu
+from tests.helpers import file_store_process_group
 
 pytestmark = requires_te_gpu
 
@@ -35,14 +36,8 @@ def test_an_fp8_all_gather_trains_bitwise_as_a_bf16_one_on_a_gpu(tmp_path):
 @pytest.fixture
 def one_nccl_rank(tmp_path):
     """A NCCL process group of this process alone, on the current GPU."""
-    import torch.distributed as dist
-
-    store = dist.FileStore(str(tmp_path / "store"), 1)
-    dist.init_process_group("nccl", store=store, rank=0, world_size=1, device_id=torch.device("cuda", 0))
-    try:
+    with file_store_process_group("nccl", str(tmp_path / "store"), device_id=torch.device("cuda", 0)):
         yield
-    finally:
-        dist.destroy_process_group()
 
 
 def test_each_layer_reads_its_own_gathered_fp8_weight_while_the_gpu_lags(one_nccl_rank):
@@ -53,8 +48,8 @@ def test_each_layer_reads_its_own_gathered_fp8_weight_while_the_gpu_lags(one_ncc
     from torch.distributed.fsdp import fully_shard
 
     from te_v2_executor import current_scaling, make_te_v2
-    from te_v2_executor.fsdp import FP8GatheredWeight, fp8_all_gather
-    from tests.helpers import CLAIM_ALL
+    from te_v2_executor.fsdp import fp8_all_gather
+    from tests.helpers import CLAIM_ALL, gathered_on_one_rank
 
     torch.manual_seed(0)
     dim = 4096
@@ -69,13 +64,8 @@ def test_each_layer_reads_its_own_gathered_fp8_weight_while_the_gpu_lags(one_ncc
     executor = make_te_v2(recipe=current_scaling(), claim=CLAIM_ALL)
     mesh = init_device_mesh("cuda", (1,))
 
-    def gathered(w: torch.Tensor) -> torch.Tensor:
-        shard = FP8GatheredWeight(w.detach().clone(), executor.config.recipe)
-        (data,), meta = shard.fsdp_pre_all_gather(mesh, None, None, None, None)
-        return shard.fsdp_post_all_gather((data,), meta, w.dtype)[0]
-
     linears = [m for layer in model for m in layer]
-    expected = [gathered(m.weight) for m in linears]
+    expected = [gathered_on_one_rank(m.weight, executor.config.recipe)[1] for m in linears]
     assert len(fp8_all_gather(model, executor, world_size=1)) == len(linears)
     for layer in model:
         fully_shard(layer, mesh=mesh)
