@@ -9,13 +9,15 @@ casts replay the forward's scale), the all-gather moves
 the FP8 bytes, and the gathered weight is the FP8 values times the scale's inverse, in the
 parameter's dtype, which is what the forward and backward read.
 
-Under per-tensor current scaling te_v2 then casts that weight to exactly the FP8 values gathered,
-with the same scale: the gathered weight's largest values are the amax itself, so te_v2 finds
-the same amax, and each other value, an FP8 value times nearly 1, rounds back to itself. The FP8
-GEMMs are therefore bitwise those of a BF16 all-gather (``tests/distributed``); te_v2 still casts
-the gathered weight again, an elementwise pass this does not save yet. The cast is for the dtype
-te_v2 reads the weight in, FSDP2's mixed-precision ``param_dtype``; ``torch.autocast`` is refused
-(thunderfx leaves the linears of an autocast region to PyTorch).
+Under per-tensor current scaling te_v2's cast of that weight makes exactly the FP8 values
+gathered, with the same scale: the gathered weight's largest values are the amax itself, so te_v2
+finds the same amax, and each other value, an FP8 value times nearly 1, rounds back to itself. So
+te_v2 does not cast it: the post-gather hook records the gathered bytes and scale
+(``gathered_weights``), and te_v2's forward and its backward's recast of the weight read them
+(TE's FP8 transpose makes the dgrad's copy), the amax and cast passes over the whole weight
+saved. The FP8 GEMMs are bitwise those of a BF16 all-gather (``tests/distributed``). The cast is
+for the dtype te_v2 reads the weight in, FSDP2's mixed-precision ``param_dtype``;
+``torch.autocast`` is refused (thunderfx leaves the linears of an autocast region to PyTorch).
 Delayed scaling would round the gathered values a second time with another scale, so the hooks
 refuse any recipe but per-tensor current scaling, by a ``ValueError`` that names the fix.
 
@@ -39,7 +41,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch._prims_common import suggest_memory_format
 
-from te_v2_executor import autocast, checks
+from te_v2_executor import autocast, checks, gathered_weights
 from te_v2_executor.backends import Backend
 from te_v2_executor.backends.reference import scale_from_amax
 from te_v2_executor.executor import TEv2Executor, _warn_once, te_v2
@@ -195,6 +197,8 @@ class FP8GatheredWeight(torch.Tensor):
             weight.masked_fill_(largest & (data < 0x80), amax.to(param_dtype))
             weight.masked_fill_(largest & (data >= 0x80), -amax.to(param_dtype))
         _read_on_current_stream(scale_inv, amax, top)
+        fp8 = gathered_weights.GatheredFP8(data.view(FP8_DTYPE), scale_inv.reshape(1))
+        gathered_weights.record(weight, fp8, self._forward.recipe)
         return None if out is not None else (weight, (weight,))
 
 

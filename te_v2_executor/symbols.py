@@ -25,6 +25,7 @@ from thunder.core.symbol import BoundSymbol, BoundSymbolTag, Symbol
 from thunder.executors import torchex
 from thunder.extend import OperatorExecutor
 
+from te_v2_executor import gathered_weights
 from te_v2_executor.backends import unquantized
 from te_v2_executor.state import LinearQuantState, SyncGroup
 
@@ -54,6 +55,8 @@ def _flat_shape(t: TensorProxy) -> tuple[int, int]:
 # that only saves the input's copy takes no w (``passes/input_recasts.py``).
 # ``x_q``: x as ``te_v2_quantize_input`` cast it once for every forward that reads it
 # (``passes/shared_inputs.py``); the forward reads that copy and casts only W.
+# A weight FSDP2 gathered in FP8 (``fsdp.py``) is not cast again: the implementation finds the
+# gathered bytes by the weight (``gathered_weights``) and the backend reads them.
 # ``times``: the input is x * times, a product of two tensors of x's shape and dtype, computed as
 # PyTorch's ``*`` computes it (``passes/input_recasts.py``, so that the backward can compute it
 # again bitwise).
@@ -118,6 +121,7 @@ def _linear_fwd_impl(
         gelu=gelu,
         up=up,
         x_q=x_q,
+        w_gathered=None if w is None else gathered_weights.find(w, state.recipe),
     )
     return y, x_saved, w_saved, None
 

@@ -393,3 +393,35 @@ def gathered_on_one_rank(
     mesh = init_device_mesh(weight.device.type, (1,))
     (data,), metadata = shard.fsdp_pre_all_gather(mesh, weight.shape, weight.stride(), None, None)
     return data, shard.fsdp_post_all_gather((data,), metadata, weight.dtype)[0]
+
+
+def forward_and_dgrad_through_gathered_weight(
+    numerics: Any, x: torch.Tensor, weight: torch.Tensor, dy: torch.Tensor, recipe: RecipeSpec
+) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    """te_v2's forward GEMM and dgrad (``numerics``, a backend module) through ``weight`` gathered
+    by ``fp8_all_gather``'s hooks on one rank: (y, dx) from the gathered FP8 bytes, then (y, dx)
+    from the cast of the gathered weight. The dgrad reads the saved column-wise weight copy."""
+    from te_v2_executor import gathered_weights
+
+    _, gathered = gathered_on_one_rank(weight, recipe)
+    fp8 = gathered_weights.find(gathered, recipe)
+    assert fp8 is not None, "the hooks recorded no FP8 bytes for the gathered weight"
+    results = []
+    for w_gathered in (fp8, None):
+        forward = numerics.ScalingState(recipe, forward=True, device=x.device)
+        backward = numerics.ScalingState(recipe, forward=False, device=x.device)
+        y, _, w_saved = numerics.linear_fwd(
+            x,
+            gathered,
+            None,
+            forward,
+            compute_output=True,
+            save_input=False,
+            save_weight=True,
+            w_gathered=w_gathered,
+        )
+        dy_q, _ = numerics.quantize_grad_output(dy, backward, rowwise=True, columnwise=False, bgrad=False)
+        results.append(
+            (y, numerics.linear_dgrad(dy_q, w_saved, recipe, input_shape=tuple(x.shape), dtype=x.dtype))
+        )
+    return results[0], results[1]

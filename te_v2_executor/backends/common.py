@@ -11,6 +11,7 @@ from typing import Any, Protocol
 
 import torch
 
+from te_v2_executor.gathered_weights import GatheredFP8
 from te_v2_executor.recipes import RecipeSpec
 
 
@@ -57,9 +58,11 @@ class KernelBackend(Protocol):
         gelu: bool = False,
         up: torch.Tensor | None = None,
         x_q: Any = None,
+        w_gathered: GatheredFP8 | None = None,
     ) -> tuple[torch.Tensor | None, Any, Any]:
         """y = x W^T + b and the column-wise FP8 copies of x and W the backward reads; x is None
-        when only W's copy is wanted; ``x_q`` is x as ``quantize_input`` cast it. With ``gelu`` or
+        when only W's copy is wanted; ``x_q`` is x as ``quantize_input`` cast it; ``w_gathered``
+        the FP8 bytes FSDP2 gathered W from, which the cast of W would make. With ``gelu`` or
         ``up``, the GEMM's input is ``activation_input`` of x."""
         ...
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from te_v2_executor.backends.common import activation_grad, activation_input, as_matrix
+from te_v2_executor.gathered_weights import GatheredFP8
 from te_v2_executor.recipes import RecipeSpec
 
 BLOCK = 128
@@ -163,12 +164,7 @@ def _quantize(
             scale = state.scale[index].reshape(1, 1)
         else:
             scale = scale_from_amax(t.abs().amax().reshape(1, 1), fp8_max, recipe)
-        plane = _cast(t, scale, whole, fp8_dtype, fp8_max)
-        # TE's cast-transpose: the column-wise copy holds the same FP8 values, transposed.
-        transposed = Plane(plane.data.t().contiguous(), plane.scale_inv, whole[::-1])
-        return ReferenceQuantizedTensor.wrap(
-            plane if rowwise else None, transposed if columnwise else None, t.device
-        )
+        return _per_tensor(_cast(t, scale, whole, fp8_dtype, fp8_max), rowwise=rowwise, columnwise=columnwise)
 
     block = (BLOCK, BLOCK) if weight else (1, BLOCK)
 
@@ -180,6 +176,22 @@ def _quantize(
     return ReferenceQuantizedTensor.wrap(
         blocks(t) if rowwise else None, blocks(t.t()) if columnwise else None, t.device
     )
+
+
+def _per_tensor(plane: Plane, *, rowwise: bool, columnwise: bool) -> ReferenceQuantizedTensor:
+    """The copies asked for of a per-tensor FP8 ``plane``: as TE's cast-transpose, the column-wise
+    copy holds the same FP8 values, transposed (into memory of its own)."""
+    transposed = None
+    if columnwise:
+        data = plane.data.t().clone(memory_format=torch.contiguous_format)
+        transposed = Plane(data, plane.scale_inv, plane.block[::-1])
+    return ReferenceQuantizedTensor.wrap(plane if rowwise else None, transposed, plane.data.device)
+
+
+def _from_gathered(gathered: GatheredFP8, *, rowwise: bool, columnwise: bool) -> ReferenceQuantizedTensor:
+    """The copies of a weight FSDP2 gathered in FP8, from its bytes: what casting it makes."""
+    plane = Plane(gathered.data, gathered.scale_inv.reshape(1, 1), tuple(gathered.data.shape))
+    return _per_tensor(plane, rowwise=rowwise, columnwise=columnwise)
 
 
 def _bias_add(y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -198,20 +210,24 @@ def linear_fwd(
     gelu: bool = False,
     up: torch.Tensor | None = None,
     x_q: ReferenceQuantizedTensor | None = None,
+    w_gathered: GatheredFP8 | None = None,
 ) -> tuple[torch.Tensor | None, ReferenceQuantizedTensor | None, ReferenceQuantizedTensor | None]:
     """Forward GEMM y = x W^T + b, and the column-wise FP8 copies the backward needs.
 
     ``compute_output`` False (a recomputed forward whose y nobody reads) only quantizes; x is
     not read unless y or its copy is wanted. ``gelu`` or ``up``: the GEMM's input is
     ``activation_input`` of x, as PyTorch's eager kernels round it. ``x_q``: x already quantized
-    row-wise by ``quantize_input``, which the GEMM reads instead of casting x.
+    row-wise by ``quantize_input``, which the GEMM reads instead of casting x. ``w_gathered``: the
+    FP8 bytes FSDP2 gathered W from, read instead of casting W.
     """
     xq = x_q
     if x_q is None and (compute_output or save_input):
         x2d = activation_input(as_matrix(x), gelu=gelu, up=up)
         xq = _quantize(x2d, scaling, 0, weight=False, rowwise=compute_output, columnwise=save_input)
     wq = None
-    if compute_output or save_weight:
+    if w_gathered is not None and (compute_output or save_weight):
+        wq = _from_gathered(w_gathered, rowwise=compute_output, columnwise=save_weight)
+    elif compute_output or save_weight:
         wq = _quantize(w, scaling, 1, weight=True, rowwise=compute_output, columnwise=save_weight)
     y = None
     if compute_output:

@@ -32,6 +32,7 @@ from transformer_engine.pytorch.utils import is_non_tn_fp8_gemm_supported
 
 from te_v2_executor.backends.activation_quantize import Kind, activation_cast_transpose
 from te_v2_executor.backends.common import activation_grad, activation_input, as_matrix
+from te_v2_executor.gathered_weights import GatheredFP8
 from te_v2_executor.recipes import RecipeSpec, Scaling
 
 _DEFAULT_SPLIT_ACCUMULATOR = {"fprop": _2X_ACC_FPROP, "dgrad": _2X_ACC_DGRAD, "wgrad": _2X_ACC_WGRAD}
@@ -204,6 +205,28 @@ def _fold_quantize(
     return Float8Tensor(shape=a.shape, dtype=a.dtype, requires_grad=False, device=a.device, **parts)
 
 
+def _from_gathered(gathered: GatheredFP8, quantizer: Any, dtype: torch.dtype, *, columnwise: bool) -> Any:
+    """The FP8 weight ``quantizer`` would cast, from the bytes FSDP2 gathered it from, with its
+    transposed copy where ``columnwise`` (TE's FP8 transpose, a byte a value read and written).
+    Where the GPU's GEMMs read the row-wise data for both usages, the saved copy gets data of its
+    own: FSDP2 frees the gathered bytes when it reshards, before the backward reads them."""
+    data = gathered.data.view(torch.uint8)
+    if columnwise and is_non_tn_fp8_gemm_supported():
+        data = data.clone()
+    wq = Float8Tensor(
+        shape=data.shape,
+        dtype=dtype,
+        data=data,
+        fp8_scale_inv=gathered.scale_inv,
+        fp8_dtype=quantizer.dtype,
+        requires_grad=False,
+        device=data.device,
+        quantizer=quantizer,
+    )
+    wq.update_usage(rowwise_usage=True, columnwise_usage=columnwise)
+    return wq
+
+
 def linear_fwd(
     x: torch.Tensor | None,
     w: torch.Tensor,
@@ -216,6 +239,7 @@ def linear_fwd(
     gelu: bool = False,
     up: torch.Tensor | None = None,
     x_q: Any = None,
+    w_gathered: GatheredFP8 | None = None,
 ) -> tuple[torch.Tensor | None, Any, Any]:
     """Forward GEMM y = x W^T + b, and the column-wise FP8 copies the backward needs.
 
@@ -223,7 +247,7 @@ def linear_fwd(
     not read unless y or its copy is wanted. ``gelu`` or ``up``: the GEMM's input is gelu(x)
     or SwiGLU's silu(x) * up, computed within the quantization where the recipe allows.
     ``x_q``: x already quantized row-wise by ``quantize_input``, which the GEMM reads instead of
-    casting x.
+    casting x. ``w_gathered``: the FP8 bytes FSDP2 gathered W from, read instead of casting W.
     """
     input_quantizer, weight_quantizer = scaling.quantizers
     xq = x_q
@@ -246,7 +270,9 @@ def linear_fwd(
             input_quantizer.set_usage(rowwise=True, columnwise=save_input)
             xq = _quantize(input_quantizer, activation_input(x2d, gelu=gelu, up=up2d))
     wq = None
-    if compute_output or save_weight:
+    if w_gathered is not None and (compute_output or save_weight):
+        wq = _from_gathered(w_gathered, weight_quantizer, w.dtype, columnwise=save_weight)
+    elif compute_output or save_weight:
         weight_quantizer.set_usage(rowwise=True, columnwise=save_weight)
         wq = _quantize(weight_quantizer, w)
     y = None

@@ -5,6 +5,7 @@ ranks, where the all-gather moves a byte a value: ``tests/distributed``."""
 
 from __future__ import annotations
 
+import collections
 import warnings
 
 import pytest
@@ -12,10 +13,14 @@ import torch
 import torch.distributed as dist
 
 from benchmarks import hf, scaling
-from te_v2_executor import ClaimPolicy, current_scaling, delayed_scaling, make_te_v2
+from te_v2_executor import ClaimPolicy, current_scaling, delayed_scaling, gathered_weights, make_te_v2
 from te_v2_executor.backends import reference
 from te_v2_executor.fsdp import FP8GatheredWeight, fp8_all_gather
-from tests.helpers import file_store_process_group, gathered_on_one_rank
+from tests.helpers import (
+    file_store_process_group,
+    forward_and_dgrad_through_gathered_weight,
+    gathered_on_one_rank,
+)
 from tests.models import tiny_llama
 
 pytest.importorskip("transformers")
@@ -104,14 +109,38 @@ def test_it_wraps_the_weights_te_v2_runs_in_fp8_and_no_tied_one():
     assert fp8_all_gather(tiny_llama(HIDDEN, torch.float32), _executor(), world_size=3) == []
 
 
+@pytest.fixture
+def weight_reads(monkeypatch):
+    """How te_v2 got the FP8 weights it read: counts of "cast" (the reference backend cast the
+    weight) and "gathered" (it read the bytes FSDP2 gathered)."""
+    counts = collections.Counter()
+    cast, find = reference._quantize, gathered_weights.find
+
+    def counted_cast(t, state, index, *, weight, **usages):
+        counts["cast"] += weight
+        return cast(t, state, index, weight=weight, **usages)
+
+    def counted_find(w, recipe):
+        found = find(w, recipe)
+        counts["gathered"] += found is not None
+        return found
+
+    monkeypatch.setattr(reference, "_quantize", counted_cast)
+    monkeypatch.setattr(gathered_weights, "find", counted_find)
+    return counts
+
+
 @pytest.mark.parametrize(("mixed", "lora"), [(False, False), (True, False), (False, True)])
-def test_steps_are_bitwise_those_of_a_bf16_gather(mixed, lora):
+def test_steps_are_bitwise_those_of_a_bf16_gather(mixed, lora, weight_reads):
+    """And the FP8 gather's forwards and dgrads read the gathered bytes: they cast no weight."""
     model, fn, wrapped = _sharded(fp8=False, mixed=mixed, lora=lora)
     losses, weights = _train(model, fn)
+    casts, weight_reads["cast"] = weight_reads["cast"], 0
     model_fp8, fn_fp8, wrapped = _sharded(fp8=True, mixed=mixed, lora=lora)
     losses_fp8, weights_fp8 = _train(model_fp8, fn_fp8)
     # 7 projections a layer and the head; under LoRA also each projection's two adapters
     assert len(wrapped) == 15 + (2 * 14 if lora else 0)
+    assert casts > 0 and weight_reads == {"cast": 0, "gathered": casts}, (casts, weight_reads)
     assert all(torch.equal(a, b) for a, b in zip(losses, losses_fp8, strict=True)), (losses, losses_fp8)
     assert weights.keys() == weights_fp8.keys()
     assert all(torch.equal(weights[n], weights_fp8[n]) for n in weights)
@@ -199,6 +228,18 @@ def test_te_v2s_cast_of_a_gathered_weight_is_the_cast_of_the_weight(dtype, magni
     (q, scale), (q_gathered, scale_gathered) = cast(w), cast(gathered)
     assert gathered.dtype == dtype and torch.equal(scale_gathered, scale)
     assert torch.equal(q_gathered, q) and torch.equal(data, q)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_gathered_fp8_bytes_make_the_forward_and_dgrad_the_cast_would(dtype):
+    """The reference backend's forward GEMM and dgrad from the gathered FP8 bytes are, to the bit,
+    those from its cast of the gathered weight (the GPU twin checks TE's)."""
+    g = torch.Generator().manual_seed(0)
+    w = (torch.randn(256, 128, generator=g) * torch.logspace(-3, 0, 128)).to(dtype)
+    x, dy = torch.randn(64, 128, generator=g).to(dtype), torch.randn(64, 256, generator=g).to(dtype)
+    from_bytes, from_cast = forward_and_dgrad_through_gathered_weight(reference, x, w, dy, current_scaling())
+    assert all(torch.equal(a, b) for a, b in zip(from_bytes, from_cast, strict=True))
+    assert from_bytes[1].abs().sum() > 0
 
 
 def test_a_distributed_checkpoint_of_wrapped_weights_loads_back(tmp_path):

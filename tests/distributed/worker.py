@@ -49,6 +49,7 @@ from te_v2_executor import (
     current_scaling,
     delayed_scaling,
     explain,
+    gathered_weights,
     load_quantization_state_dict,
     make_te_v2,
     quantization_state_dict,
@@ -57,6 +58,7 @@ from te_v2_executor import (
 )
 from te_v2_executor.compiled import compiled_functions
 from te_v2_executor.fsdp import FP8GatheredWeight, fp8_all_gather
+from te_v2_executor.recipes import Scaling
 from tests.helpers import CLAIM_ALL
 from tests.models import LoRAStack, Stack, tiny_llama
 
@@ -182,6 +184,24 @@ class Run:
             yield
         finally:
             dist.all_reduce = original
+
+
+@contextlib.contextmanager
+def counted_weight_reads() -> Iterator[Counter]:
+    """How te_v2's FP8 linears got their weights while the block runs, under current scaling:
+    "gathered" where they read the FP8 bytes FSDP2 gathered, "cast" where they cast the weight."""
+    counts, find = Counter(), gathered_weights.find
+
+    def counting(w: torch.Tensor, recipe: Any) -> Any:
+        found = find(w, recipe)
+        counts["gathered" if found is not None else "cast"] += recipe.scaling is Scaling.CURRENT
+        return found
+
+    gathered_weights.find = counting
+    try:
+        yield counts
+    finally:
+        gathered_weights.find = find
 
 
 def train(
@@ -351,11 +371,16 @@ def scenario(name: str, run: Run, out: Path) -> None:
     model = run.model(kind)
     fn, module, params = wrap(wrapper, model, run)
     sharded = wrapper.startswith("fsdp2")
-    with run.counting_amax_all_reduces(), counted_collectives() as collectives:
+    with (
+        run.counting_amax_all_reduces(),
+        counted_collectives() as collectives,
+        counted_weight_reads() as reads,
+    ):
         losses, calls = train(
             fn, params, [x[mine] for x in batches], run, distributed=True, scoped=sharded, lr=lr
         )
     result["losses"] = summed_over_ranks(losses, run)
+    result["weight_reads"] = {how: n / STEPS for how, n in reads.items()}
     result["amax_all_reduces"] = calls
     result["all_gather_bytes"] = collectives["all_gather_into_tensor"]["bytes"] / STEPS
     result["fp8_gathered"] = {

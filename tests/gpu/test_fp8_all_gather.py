@@ -88,3 +88,22 @@ def test_each_layer_reads_its_own_gathered_fp8_weight_while_the_gpu_lags(one_ncc
     assert all(len(calls) == 3 for calls in seen) and not wrong, (
         f"(linear, call) read another weight: {wrong}"
     )
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_te_reads_the_gathered_fp8_bytes_as_its_cast_would_make_them(one_nccl_rank, dtype):
+    """TE's forward GEMM and dgrad from the gathered FP8 bytes (row-wise, and TE's FP8 transpose
+    for the dgrad's copy) are, to the bit, those from TE's cast of the gathered weight."""
+    from te_v2_executor import current_scaling
+    from te_v2_executor.backends import te as numerics
+    from tests.helpers import forward_and_dgrad_through_gathered_weight
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    w = (torch.randn(2048, 4096, generator=g, device="cuda") * torch.logspace(-3, 0, 4096, device="cuda")).to(
+        dtype
+    )
+    x = torch.randn(256, 4096, generator=g, device="cuda", dtype=dtype)
+    dy = torch.randn(256, 2048, generator=g, device="cuda", dtype=dtype)
+    from_bytes, from_cast = forward_and_dgrad_through_gathered_weight(numerics, x, w, dy, current_scaling())
+    assert all(torch.equal(a, b) for a, b in zip(from_bytes, from_cast, strict=True))
+    assert from_bytes[1].abs().sum() > 0
