@@ -3,11 +3,12 @@
 ``fp8_all_gather(model, executor)``, called before ``fully_shard``, wraps the weight of every
 ``nn.Linear`` that te_v2 would run in FP8 in ``FP8GatheredWeight``, a tensor subclass that FSDP2's
 all-gather extension hooks (``fsdp_pre_all_gather`` / ``fsdp_post_all_gather``) call: each rank
-casts its shard to FP8 E4M3 with the scale of the whole weight's amax (an all-reduce of one value
-at each forward's gather; the backward's gather casts as the forward's did, as te_v2's backward
-casts replay the forward's scale), the all-gather moves
-the FP8 bytes, and the gathered weight is the FP8 values times the scale's inverse, in the
-parameter's dtype, which is what the forward and backward read.
+casts its shard to FP8 E4M3 with the scale of the whole weight's amax (at each forward's gather,
+one all-reduce for the amaxes of all the wrapped weights of the FSDP2 module gathered; the
+backward's gather casts as the forward's did, as te_v2's backward casts replay the forward's
+scale), the all-gather moves the FP8 bytes, and the gathered weight is the FP8 values times the scale's inverse, in the
+parameter's dtype (one Triton pass on CUDA: ``backends/gathered_dequantize.py``), which is what
+the compiled function is given.
 
 Under per-tensor current scaling te_v2's cast of that weight makes exactly the FP8 values
 gathered, with the same scale: the gathered weight's largest values are the amax itself, so te_v2
@@ -42,7 +43,7 @@ import torch.utils._pytree as pytree
 from torch._prims_common import suggest_memory_format
 
 from te_v2_executor import autocast, checks, gathered_weights
-from te_v2_executor.backends import Backend
+from te_v2_executor.backends import Backend, gathered_dequantize
 from te_v2_executor.backends.reference import scale_from_amax
 from te_v2_executor.executor import TEv2Executor, _warn_once, te_v2
 from te_v2_executor.recipes import RecipeSpec, Scaling
@@ -61,7 +62,7 @@ _PRESERVED = {
     torch.ops.aten.clone.default,
     torch.ops.aten.detach.default,
 }
-FP8_DTYPE = torch.float8_e4m3fn
+FP8_DTYPE = gathered_dequantize.FP8_DTYPE
 _NEEDS_CURRENT = (
     "te_v2's FP8 all-gather needs per-tensor current scaling, got {scaling} scaling: the gathered "
     "FP8 weight would be rounded again with another scale. Use make_te_v2(recipe=current_scaling()) "
@@ -97,6 +98,7 @@ class FP8GatheredWeight(torch.Tensor):
         self._tensor = tensor
         self._recipe = recipe
         self._forward: _Cast | None = None  # how the last forward's gather cast, for the backward's
+        self._batch: _AmaxBatch | None = None  # the shards whose amaxes are reduced with this one's
 
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -131,7 +133,8 @@ class FP8GatheredWeight(torch.Tensor):
     def _forward_cast(self, mesh: Any, mp_policy: Any) -> _Cast:
         """How a forward's gather casts: the recipe (pinned, else ``te.autocast``'s), the dtype
         te_v2 will read the weight in (FSDP2's mixed-precision ``param_dtype``, else its own) and
-        the whole weight's amax in it. Refused under ``torch.autocast``: thunderfx leaves linears
+        the whole weight's amax in it (all-reduced with those of the FSDP2 group, ``_AmaxBatch``).
+        Refused under ``torch.autocast``: thunderfx leaves linears
         of an autocast region to PyTorch, which would compute with the FP8-rounded weight."""
         device = self._tensor.device.type
         if torch.is_autocast_enabled(device):
@@ -153,8 +156,9 @@ class FP8GatheredWeight(torch.Tensor):
         if recipe.scaling is not Scaling.CURRENT:
             raise ValueError(_NEEDS_CURRENT.format(scaling=recipe.scaling.value))
         dtype = getattr(mp_policy, "param_dtype", None) or self._tensor.dtype
-        amax = self._tensor.detach().abs().amax().float()
-        torch.distributed.all_reduce(amax, op=torch.distributed.ReduceOp.MAX, group=mesh.get_group())
+        if self._batch is None:
+            self._batch = _AmaxBatch.of_group_holding(self)
+        amax = self._batch.reduced_amax(self, mesh.get_group())
         return _Cast(recipe, dtype, amax.to(dtype).float())
 
     def fsdp_pre_all_gather(
@@ -164,8 +168,6 @@ class FP8GatheredWeight(torch.Tensor):
         the amax and the FP8 code the amax casts to. A backward's gather casts as its forward's
         did: te_v2's backward casts of the weight replay the forward's scale."""
         backward = torch._C._current_graph_task_id() != -1  # inside autograd's backward
-        if self._forward is None:
-            _refuse_resharding_onto_fewer_ranks(self)
         if not (backward and self._forward is not None):
             self._forward = self._forward_cast(mesh, mp_policy)
         cast = self._forward
@@ -191,11 +193,7 @@ class FP8GatheredWeight(torch.Tensor):
         ((data,), (scale_inv, amax, top)) = all_gather_outputs, metadata
         weight = torch.empty(data.shape, dtype=param_dtype, device=data.device) if out is None else out
         with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(weight):
-            weight.copy_(data.view(FP8_DTYPE))
-            weight.mul_(scale_inv.to(param_dtype))
-            largest = (data & 0x7F) == top
-            weight.masked_fill_(largest & (data < 0x80), amax.to(param_dtype))
-            weight.masked_fill_(largest & (data >= 0x80), -amax.to(param_dtype))
+            gathered_dequantize.dequantize(data, scale_inv, amax, top, out=weight)
         _read_on_current_stream(scale_inv, amax, top)
         fp8 = gathered_weights.GatheredFP8(data.view(FP8_DTYPE), scale_inv.reshape(1))
         gathered_weights.record(weight, fp8, self._forward.recipe)
@@ -228,25 +226,71 @@ class _Cast:
 _MODELS: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
 
 
-def _refuse_resharding_onto_fewer_ranks(shard: FP8GatheredWeight) -> None:
-    """Raise where the FSDP2 module that holds ``shard`` reshards after the forward onto fewer
-    ranks (``fully_shard(reshard_after_forward=<int>)``): FSDP2 would keep the gathered FP8 bytes
-    as a parameter and fail inside its own code. Reads FSDP2's private state; where it is not
-    found (another torch), FSDP2's own error stands."""
+def _fsdp_group_holding(shard: FP8GatheredWeight) -> tuple[str, Any] | None:
+    """The name of the FSDP2 module whose parameter group holds ``shard``, and that group; None
+    where FSDP2's private state is not found (another torch)."""
     for model in _MODELS:
         for name, module in model.named_modules():
             state = getattr(module, "_get_fsdp_state", None)
             group = getattr(state() if callable(state) else None, "_fsdp_param_group", None)
-            fewer = getattr(group, "post_forward_mesh_info", None)
-            if fewer is None or fewer == group.mesh_info:  # no reshard, or onto all ranks
-                continue
-            if any(getattr(p.sharded_param, "_local_tensor", None) is shard for p in group.fsdp_params):
-                raise ValueError(
-                    f"te_v2's FP8 all-gather cannot run under fully_shard({name or 'model'}, "
-                    "reshard_after_forward=<int>): FSDP2 reshards no all-gather extension onto fewer "
-                    "ranks. Shard the modules holding the weights fp8_all_gather wrapped with "
-                    "reshard_after_forward=True or False, or leave fp8_all_gather out"
-                )
+            if group is not None and any(_local(p) is shard for p in group.fsdp_params):
+                return name, group
+    return None
+
+
+def _local(fsdp_param: Any) -> Any:
+    return getattr(fsdp_param.sharded_param, "_local_tensor", None)
+
+
+def _refuse_resharding_onto_fewer_ranks(name: str, group: Any) -> None:
+    """Raise where the FSDP2 module ``name`` reshards after the forward onto fewer ranks
+    (``fully_shard(reshard_after_forward=<int>)``): FSDP2 would keep the gathered FP8 bytes as a
+    parameter and fail inside its own code."""
+    fewer = getattr(group, "post_forward_mesh_info", None)
+    if fewer is not None and fewer != group.mesh_info:  # a reshard onto fewer ranks
+        raise ValueError(
+            f"te_v2's FP8 all-gather cannot run under fully_shard({name or 'model'}, "
+            "reshard_after_forward=<int>): FSDP2 reshards no all-gather extension onto fewer "
+            "ranks. Shard the modules holding the weights fp8_all_gather wrapped with "
+            "reshard_after_forward=True or False, or leave fp8_all_gather out"
+        )
+
+
+@dataclasses.dataclass(eq=False)
+class _AmaxBatch:
+    """The wrapped shards one FSDP2 parameter group gathers together, in the order FSDP2 casts
+    them: a forward gather of the first all-reduces the amaxes of all of them at once (one
+    all-reduce a group, not one a weight), and the others', which FSDP2 calls after it within the
+    same gather, take theirs. A shard that finds none reduces them all again (FSDP2 calls every
+    shard of the group at each gather, on every rank alike, so the ranks' all-reduces still
+    match), and the first one's next gather reduces them all afresh: no amax outlives its gather.
+    """
+
+    shards: list[FP8GatheredWeight]
+    reduced: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)  # by id, until taken
+
+    @classmethod
+    def of_group_holding(cls, shard: FP8GatheredWeight) -> _AmaxBatch:
+        """The batch of the FSDP2 group holding ``shard``, made for all its shards at the first
+        one's first gather (where that group reshards onto fewer ranks, refused); ``shard`` alone
+        where its group is not found."""
+        found = _fsdp_group_holding(shard)
+        if found is None:
+            return cls([shard])
+        name, group = found
+        _refuse_resharding_onto_fewer_ranks(name, group)
+        batch = cls([t for t in map(_local, group.fsdp_params) if isinstance(t, FP8GatheredWeight)])
+        for member in batch.shards:
+            member._batch = batch
+        return batch
+
+    def reduced_amax(self, shard: FP8GatheredWeight, group: Any) -> torch.Tensor:
+        """The amax of the whole weight ``shard`` is a part of, over the ranks of ``group``."""
+        if shard is self.shards[0] or id(shard) not in self.reduced:
+            amaxes = torch.stack([s._tensor.detach().abs().amax().float() for s in self.shards])
+            torch.distributed.all_reduce(amaxes, op=torch.distributed.ReduceOp.MAX, group=group)
+            self.reduced = {id(s): amax for s, amax in zip(self.shards, amaxes.unbind(), strict=True)}
+        return self.reduced.pop(id(shard))
 
 
 # a checkpoint of a wrapped model (torch.save, torch.distributed.checkpoint) loads with weights_only

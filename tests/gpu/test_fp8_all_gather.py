@@ -107,3 +107,25 @@ def test_te_reads_the_gathered_fp8_bytes_as_its_cast_would_make_them(one_nccl_ra
     from_bytes, from_cast = forward_and_dgrad_through_gathered_weight(numerics, x, w, dy, current_scaling())
     assert all(torch.equal(a, b) for a, b in zip(from_bytes, from_cast, strict=True))
     assert from_bytes[1].abs().sum() > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("shape", [(2048, 1024), (257, 48)])
+@pytest.mark.parametrize(("scale_inv", "top"), [(1 / 3.7, 0x7E), (2.0**-7, 0x55), (1e-4, 0x01)])
+def test_the_gathered_weight_is_made_in_one_kernel_as_pytorchs_ops_make_it(dtype, shape, scale_inv, top):
+    """The post-gather hook's Triton kernel writes, to the bit, what its PyTorch ops write: every
+    FP8 code but NaN's, times a scale's inverse not exact in the dtype, the amax's code in both
+    signs replaced by the amax."""
+    from te_v2_executor.backends import gathered_dequantize
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    codes = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8, device="cuda")
+    data = codes[torch.randint(len(codes), shape, generator=g, device="cuda")]
+    scale_inv_t = torch.tensor(scale_inv, device="cuda")
+    top_t = torch.tensor(top, dtype=torch.uint8, device="cuda")
+    amax = (top_t.view(torch.float8_e4m3fn).float() * scale_inv_t).to(dtype).float() * 1.01
+    kernel, ops = (torch.full(shape, float("nan"), dtype=dtype, device="cuda") for _ in range(2))
+    gathered_dequantize.dequantize(data, scale_inv_t, amax, top_t, out=kernel)
+    gathered_dequantize.dequantize_in_torch(data, scale_inv_t, amax, top_t, out=ops)
+    assert torch.equal(kernel.view(torch.uint8), ops.view(torch.uint8))
+    assert (kernel == amax.to(dtype)).any() and (kernel == -amax.to(dtype)).any()
