@@ -3,12 +3,12 @@
 ``fp8_all_gather(model, executor)``, called before ``fully_shard``, wraps the weight of every
 ``nn.Linear`` that te_v2 would run in FP8 in ``FP8GatheredWeight``, a tensor subclass that FSDP2's
 all-gather extension hooks (``fsdp_pre_all_gather`` / ``fsdp_post_all_gather``) call: each rank
-casts its shard to FP8 E4M3 with the scale of the whole weight's amax (at each forward's gather,
-one all-reduce for the amaxes of all the wrapped weights of the FSDP2 module gathered; the
-backward's gather casts as the forward's did, as te_v2's backward casts replay the forward's
-scale), the all-gather moves the FP8 bytes, and the gathered weight is the FP8 values times the scale's inverse, in the
-parameter's dtype (one Triton pass on CUDA: ``backends/gathered_dequantize.py``), which is what
-the compiled function is given.
+casts its shard to FP8 E4M3 with the scale of the whole weight's amax (at each gather, one
+all-reduce for the amaxes of all the wrapped weights of the FSDP2 module gathered; a backward's
+gather casts for the forward's recipe and dtype, with the amax of the weight as it is then), the
+all-gather moves the FP8 bytes, and the gathered weight is the FP8 values times the
+scale's inverse, in the parameter's dtype (one Triton pass on CUDA:
+``backends/gathered_dequantize.py``), which is what the compiled function is given.
 
 Under per-tensor current scaling te_v2's cast of that weight makes exactly the FP8 values
 gathered, with the same scale: the gathered weight's largest values are the amax itself, so te_v2
@@ -97,7 +97,8 @@ class FP8GatheredWeight(torch.Tensor):
     def __init__(self, tensor: torch.Tensor, recipe: RecipeSpec | None) -> None:
         self._tensor = tensor
         self._recipe = recipe
-        self._forward: _Cast | None = None  # how the last forward's gather cast, for the backward's
+        # the last forward's recipe and dtype, for the backward's gather
+        self._forward: tuple[RecipeSpec, torch.dtype] | None = None
         self._batch: _AmaxBatch | None = None  # the shards whose amaxes are reduced with this one's
 
     @classmethod
@@ -130,14 +131,11 @@ class FP8GatheredWeight(torch.Tensor):
         """The tensor inside: the weight's (or shard's) own values, unrounded."""
         return self._tensor
 
-    def _forward_cast(self, mesh: Any, mp_policy: Any) -> _Cast:
-        """How a forward's gather casts: the recipe (pinned, else ``te.autocast``'s), the dtype
-        te_v2 will read the weight in (FSDP2's mixed-precision ``param_dtype``, else its own) and
-        the whole weight's amax in it (all-reduced with those of the FSDP2 group, ``_AmaxBatch``).
-        Refused under ``torch.autocast``: thunderfx leaves linears
-        of an autocast region to PyTorch, which would compute with the FP8-rounded weight."""
-        device = self._tensor.device.type
-        if torch.is_autocast_enabled(device):
+    def _forward_recipe(self) -> RecipeSpec:
+        """The recipe a forward's gather casts for: the pinned one, else ``te.autocast``'s. Refused
+        under ``torch.autocast``: thunderfx leaves linears of an autocast region to PyTorch, which
+        would compute with the FP8-rounded weight."""
+        if torch.is_autocast_enabled(self._tensor.device.type):
             raise ValueError(
                 "te_v2's FP8 all-gather does not run under torch.autocast: thunderfx leaves linears "
                 "inside an autocast region to PyTorch, which would compute with the FP8-rounded "
@@ -155,7 +153,19 @@ class FP8GatheredWeight(torch.Tensor):
             recipe = autocast.active_recipe(None)
         if recipe.scaling is not Scaling.CURRENT:
             raise ValueError(_NEEDS_CURRENT.format(scaling=recipe.scaling.value))
-        dtype = getattr(mp_policy, "param_dtype", None) or self._tensor.dtype
+        return recipe
+
+    def _cast(self, mesh: Any, mp_policy: Any) -> _Cast:
+        """How this gather casts: for the recipe and in the dtype te_v2 will read the weight in
+        (FSDP2's mixed-precision ``param_dtype``, else its own) of the last forward (a backward
+        runs outside ``te.autocast``), with the whole weight's amax as it is now, in that dtype
+        (all-reduced with those of the FSDP2 group, ``_AmaxBatch``): a weight written between
+        the forward and the backward is gathered as it now is, as a BF16 gather gathers it."""
+        backward = torch._C._current_graph_task_id() != -1  # inside autograd's backward
+        if not (backward and self._forward is not None):
+            dtype = getattr(mp_policy, "param_dtype", None) or self._tensor.dtype
+            self._forward = (self._forward_recipe(), dtype)
+        recipe, dtype = self._forward
         if self._batch is None:
             self._batch = _AmaxBatch.of_group_holding(self)
         amax = self._batch.reduced_amax(self, mesh.get_group())
@@ -165,12 +175,8 @@ class FP8GatheredWeight(torch.Tensor):
         self, mesh: Any, outer_size: Any, outer_stride: Any, module: Any, mp_policy: Any
     ) -> tuple[tuple[torch.Tensor, ...], Any]:
         """This rank's shard in FP8 (as bytes) with the whole weight's scale; the scale's inverse,
-        the amax and the FP8 code the amax casts to. A backward's gather casts as its forward's
-        did: te_v2's backward casts of the weight replay the forward's scale."""
-        backward = torch._C._current_graph_task_id() != -1  # inside autograd's backward
-        if not (backward and self._forward is not None):
-            self._forward = self._forward_cast(mesh, mp_policy)
-        cast = self._forward
+        the amax and the FP8 code the amax casts to."""
+        cast = self._cast(mesh, mp_policy)
         fp8_max = cast.recipe.fp8_max(forward=True)
         scale = scale_from_amax(cast.amax, fp8_max, cast.recipe)
         shard = self._tensor.detach().to(cast.dtype)
@@ -195,8 +201,11 @@ class FP8GatheredWeight(torch.Tensor):
         with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(weight):
             gathered_dequantize.dequantize(data, scale_inv, amax, top, out=weight)
         _read_on_current_stream(scale_inv, amax, top)
-        fp8 = gathered_weights.GatheredFP8(data.view(FP8_DTYPE), scale_inv.reshape(1))
-        gathered_weights.record(weight, fp8, self._forward.recipe)
+        if self._batch is not None and _freed_when_this_pass_ends(self._batch.fsdp_group):
+            fp8 = gathered_weights.GatheredFP8(data.view(FP8_DTYPE), scale_inv.reshape(1))
+            gathered_weights.record(weight, fp8, self._forward[0])
+        else:
+            gathered_weights.forget(weight)
         return None if out is not None else (weight, (weight,))
 
 
@@ -242,10 +251,20 @@ def _local(fsdp_param: Any) -> Any:
     return getattr(fsdp_param.sharded_param, "_local_tensor", None)
 
 
-def _refuse_resharding_onto_fewer_ranks(name: str, group: Any) -> None:
-    """Raise where the FSDP2 module ``name`` reshards after the forward onto fewer ranks
-    (``fully_shard(reshard_after_forward=<int>)``): FSDP2 would keep the gathered FP8 bytes as a
-    parameter and fail inside its own code."""
+def _refuse_what_fsdp2_cannot_gather(name: str, group: Any) -> None:
+    """Raise where the FSDP2 module ``name`` shards a wrapped weight along another dimension than
+    its rows (``shard_placement_fn``: the hooks cast and gather whole rows), or reshards after the
+    forward onto fewer ranks (``fully_shard(reshard_after_forward=<int>)``: FSDP2 would keep the
+    gathered FP8 bytes as a parameter); FSDP2 would fail inside its own code."""
+    for fsdp_param in group.fsdp_params:
+        dim = getattr(getattr(fsdp_param, "fsdp_placement", None), "dim", 0)
+        if isinstance(_local(fsdp_param), FP8GatheredWeight) and dim != 0:
+            raise ValueError(
+                f"te_v2's FP8 all-gather cannot run under fully_shard({name or 'model'}, "
+                f"shard_placement_fn=...) sharding a wrapped weight along dim {dim}: it gathers "
+                "weights sharded by rows (Shard(0), FSDP2's default). Shard the modules holding the "
+                "weights fp8_all_gather wrapped by rows, or leave fp8_all_gather out"
+            )
     fewer = getattr(group, "post_forward_mesh_info", None)
     if fewer is not None and fewer != group.mesh_info:  # a reshard onto fewer ranks
         raise ValueError(
@@ -267,19 +286,20 @@ class _AmaxBatch:
     """
 
     shards: list[FP8GatheredWeight]
+    fsdp_group: Any = None  # FSDP2's parameter group, None where it was not found
     reduced: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)  # by id, until taken
 
     @classmethod
     def of_group_holding(cls, shard: FP8GatheredWeight) -> _AmaxBatch:
         """The batch of the FSDP2 group holding ``shard``, made for all its shards at the first
-        one's first gather (where that group reshards onto fewer ranks, refused); ``shard`` alone
-        where its group is not found."""
+        one's first gather (what FSDP2 cannot gather so, refused); ``shard`` alone where its group
+        is not found."""
         found = _fsdp_group_holding(shard)
         if found is None:
             return cls([shard])
         name, group = found
-        _refuse_resharding_onto_fewer_ranks(name, group)
-        batch = cls([t for t in map(_local, group.fsdp_params) if isinstance(t, FP8GatheredWeight)])
+        _refuse_what_fsdp2_cannot_gather(name, group)
+        batch = cls([t for t in map(_local, group.fsdp_params) if isinstance(t, FP8GatheredWeight)], group)
         for member in batch.shards:
             member._batch = batch
         return batch
@@ -291,6 +311,23 @@ class _AmaxBatch:
             torch.distributed.all_reduce(amaxes, op=torch.distributed.ReduceOp.MAX, group=group)
             self.reduced = {id(s): amax for s, amax in zip(self.shards, amaxes.unbind(), strict=True)}
         return self.reduced.pop(id(shard))
+
+
+def _freed_when_this_pass_ends(group: Any) -> bool:
+    """Whether FSDP2 gathers ``group``'s weights for the forward or backward it runs now and
+    frees them when that pass ends (it reshards after it). Only the bytes of such a gather are
+    read in place of the weight: no write outside the pass, not even one through ``.data``
+    (peft's ``merge_adapter``), which moves no version counter, can reach the weight while they
+    are kept. A gather of an explicit ``unshard()``, or of a module that keeps its weights
+    gathered after the pass (``reshard_after_forward=False``, ``set_reshard_after_backward
+    (False)``), is cast as usual. Reads FSDP2's private state; where it is not found, False."""
+    state = getattr(getattr(group, "_training_state", None), "name", None)
+    backward = torch._C._current_graph_task_id() != -1  # a checkpoint's recompute included
+    if state == "FORWARD" and not backward:
+        return getattr(group, "post_forward_mesh_info", None) is not None
+    if state in ("FORWARD", "PRE_BACKWARD"):
+        return getattr(group, "reshard_after_backward", False) is True
+    return False
 
 
 # a checkpoint of a wrapped model (torch.save, torch.distributed.checkpoint) loads with weights_only

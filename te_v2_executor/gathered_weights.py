@@ -6,9 +6,12 @@ weight was made from. te_v2's forward (and a backward's recast of the weight) ``
 the weight it is given and builds its FP8 weight from those bytes instead of casting the weight
 again: under per-tensor current scaling that cast makes exactly them (``fsdp.py``).
 
-A weight matches only while it is the tensor the hooks wrote, unchanged since: the same storage,
-offset, shape, strides and dtype; its version counter where the hooks left it (an in-place write
-moves it; a write through ``.data`` does not, and is not seen); its storage not freed by FSDP2's
+The hooks record only a gather FSDP2 frees when the forward or backward that made it ends, and
+forget the weight otherwise (an explicit ``unshard()``, a module not resharded after the pass):
+a write that moves no version counter (through ``.data``, as peft's ``merge_adapter`` writes)
+then has no window outside that pass. A weight matches only while it is the tensor the hooks
+wrote, unchanged since: the same storage, offset, shape, strides and dtype; its version counter
+where the hooks left it (an in-place write moves it); its storage not yet freed by FSDP2's
 reshard; and read under the recipe it was cast with. Anything else casts the weight as usual.
 """
 
@@ -59,6 +62,11 @@ def record(weight: torch.Tensor, fp8: GatheredFP8, recipe: RecipeSpec) -> None:
             del _RECORDS[key]
 
     _RECORDS[key] = _Record(weakref.ref(weight, forget), _layout(weight), weight._version, recipe, fp8)
+
+
+def forget(weight: torch.Tensor) -> None:
+    """Drop what was recorded of ``weight``: its values are no longer those bytes' to read."""
+    _RECORDS.pop(weight.untyped_storage()._cdata, None)
 
 
 def find(w: torch.Tensor, recipe: RecipeSpec) -> GatheredFP8 | None:

@@ -380,19 +380,20 @@ def file_store_process_group(
         dist.destroy_process_group()
 
 
-def gathered_on_one_rank(
-    weight: torch.Tensor, recipe: RecipeSpec | None
-) -> tuple[torch.Tensor, torch.Tensor]:
+def gathered_on_one_rank(weight: torch.Tensor, recipe: RecipeSpec | None) -> tuple[Any, torch.Tensor]:
     """What ``fp8_all_gather``'s hooks gather of ``weight`` on a mesh of one rank on its device:
-    the FP8 bytes, and the weight they make of them in ``weight``'s dtype."""
+    the FP8 bytes with their scale's inverse (a ``GatheredFP8``), and the weight the hooks make
+    of them in ``weight``'s dtype."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from te_v2_executor.fsdp import FP8GatheredWeight
+    from te_v2_executor.gathered_weights import GatheredFP8
 
     shard = FP8GatheredWeight(weight.detach().clone(), recipe)
     mesh = init_device_mesh(weight.device.type, (1,))
     (data,), metadata = shard.fsdp_pre_all_gather(mesh, weight.shape, weight.stride(), None, None)
-    return data, shard.fsdp_post_all_gather((data,), metadata, weight.dtype)[0]
+    fp8 = GatheredFP8(data.view(torch.float8_e4m3fn), metadata[0].reshape(1))
+    return fp8, shard.fsdp_post_all_gather((data,), metadata, weight.dtype)[0]
 
 
 def forward_and_dgrad_through_gathered_weight(
@@ -401,11 +402,7 @@ def forward_and_dgrad_through_gathered_weight(
     """te_v2's forward GEMM and dgrad (``numerics``, a backend module) through ``weight`` gathered
     by ``fp8_all_gather``'s hooks on one rank: (y, dx) from the gathered FP8 bytes, then (y, dx)
     from the cast of the gathered weight. The dgrad reads the saved column-wise weight copy."""
-    from te_v2_executor import gathered_weights
-
-    _, gathered = gathered_on_one_rank(weight, recipe)
-    fp8 = gathered_weights.find(gathered, recipe)
-    assert fp8 is not None, "the hooks recorded no FP8 bytes for the gathered weight"
+    fp8, gathered = gathered_on_one_rank(weight, recipe)
     results = []
     for w_gathered in (fp8, None):
         forward = numerics.ScalingState(recipe, forward=True, device=x.device)

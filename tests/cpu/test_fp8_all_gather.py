@@ -6,6 +6,7 @@ ranks, where the all-gather moves a byte a value: ``tests/distributed``."""
 from __future__ import annotations
 
 import collections
+import functools
 import warnings
 
 import pytest
@@ -13,7 +14,14 @@ import torch
 import torch.distributed as dist
 
 from benchmarks import hf, scaling
-from te_v2_executor import ClaimPolicy, current_scaling, delayed_scaling, gathered_weights, make_te_v2
+from te_v2_executor import (
+    ClaimPolicy,
+    current_scaling,
+    delayed_scaling,
+    gathered_weights,
+    make_te_v2,
+    thunderfx,
+)
 from te_v2_executor.backends import reference
 from te_v2_executor.fsdp import FP8GatheredWeight, fp8_all_gather
 from tests.helpers import (
@@ -50,8 +58,6 @@ def _sharded(fp8: bool, recipe=None, *, mixed: bool = False, lora: bool = False)
     where ``mixed``), through thunderfx."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    from te_v2_executor import thunderfx
 
     torch._dynamo.reset()
     model = tiny_llama(HIDDEN, torch.float32)
@@ -132,7 +138,9 @@ def weight_reads(monkeypatch):
 
 @pytest.mark.parametrize(("mixed", "lora"), [(False, False), (True, False), (False, True)])
 def test_steps_are_bitwise_those_of_a_bf16_gather(mixed, lora, weight_reads):
-    """And the FP8 gather's forwards and dgrads read the gathered bytes: they cast no weight."""
+    """And the FP8 gather's forwards and dgrads read the gathered bytes, casting no weight but
+    the head, which the root keeps gathered from its forward through the backward (FSDP2's
+    default for the root): its forward and its dgrad's recast cast it, a step."""
     model, fn, wrapped = _sharded(fp8=False, mixed=mixed, lora=lora)
     losses, weights = _train(model, fn)
     casts, weight_reads["cast"] = weight_reads["cast"], 0
@@ -140,10 +148,134 @@ def test_steps_are_bitwise_those_of_a_bf16_gather(mixed, lora, weight_reads):
     losses_fp8, weights_fp8 = _train(model_fp8, fn_fp8)
     # 7 projections a layer and the head; under LoRA also each projection's two adapters
     assert len(wrapped) == 15 + (2 * 14 if lora else 0)
-    assert casts > 0 and weight_reads == {"cast": 0, "gathered": casts}, (casts, weight_reads)
+    head = 2 * STEPS
+    assert casts > head and weight_reads == {"cast": head, "gathered": casts - head}, (casts, weight_reads)
     assert all(torch.equal(a, b) for a, b in zip(losses, losses_fp8, strict=True)), (losses, losses_fp8)
     assert weights.keys() == weights_fp8.keys()
     assert all(torch.equal(weights[n], weights_fp8[n]) for n in weights)
+
+
+class _Block(torch.nn.Module):
+    """A residual block of two linears (a module of its own: Dynamo runs a sharded
+    ``nn.Sequential`` eagerly)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(32, 64, bias=False), torch.nn.Linear(64, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.relu(self.up(x)))
+
+
+class _Blocks(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = _Block(), _Block()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.second(self.first(x))
+
+
+def _unseen_write(program: str) -> torch.Tensor:
+    """``program``, a write into a gathered weight that moves no version counter, run on _Blocks
+    gathered in FP8 and sharded per block: what it computes after the write."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = _Blocks()
+    if program == "peft's merge_adapter after an explicit unshard":
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(
+            model, LoraConfig(r=16, target_modules=["up", "down"], init_lora_weights=False)
+        )
+    executor = _executor()
+    fp8_all_gather(model, executor)
+    mesh = init_device_mesh("cpu", (1,))
+    kept = program == "a write through .data between the forward and the backward"
+    modules = [m for m in model.modules() if isinstance(m, _Block)]
+    for module in (*modules, model):
+        fully_shard(module, mesh=mesh, reshard_after_forward=not kept)
+    fn = thunderfx(model, executors=[executor])
+    x = torch.randn(32, 32, generator=torch.Generator().manual_seed(1))
+    if kept:  # the module keeps its weights gathered from the forward through the backward
+        loss = fn(x).square().sum()
+        modules[1].up.weight.data.mul_(2)
+        loss.backward()
+        return modules[0].up.weight.grad.to_local()
+    with torch.no_grad():
+        for module in (*modules, model):
+            module.unshard()
+        if hasattr(model, "merge_adapter"):
+            model.merge_adapter()  # adds each adapter's product into its base weight's .data
+        else:
+            modules[0].up.weight.data.mul_(2)
+        return fn(x)
+
+
+@pytest.mark.parametrize(
+    "program",
+    [
+        "a write through .data between the forward and the backward",
+        "a write through .data after an explicit unshard",
+        "peft's merge_adapter after an explicit unshard",
+    ],
+)
+def test_a_write_no_version_counter_sees_reaches_what_te_v2_computes(program, monkeypatch):
+    """te_v2 reads gathered FP8 bytes only within the pass FSDP2 gathered them for and frees them
+    after, so such a write is computed with as where te_v2 casts every weight."""
+    find, looked_up = gathered_weights.find, collections.Counter()
+
+    def counted(w, recipe, *, cast_all):
+        looked_up[cast_all] += 1
+        return None if cast_all else find(w, recipe)
+
+    monkeypatch.setattr(gathered_weights, "find", functools.partial(counted, cast_all=False))
+    from_bytes = _unseen_write(program)
+    monkeypatch.setattr(gathered_weights, "find", functools.partial(counted, cast_all=True))
+    assert torch.equal(from_bytes, _unseen_write(program))
+    assert looked_up[False] > 0 and looked_up[True] > 0  # te_v2 ran the linears in FP8
+
+
+def test_a_weight_written_between_the_forward_and_the_backward_is_gathered_as_it_now_is():
+    """The backward's gather casts with the weight's amax as it is then, as te_v2's recast of a
+    BF16 gather does: a weight grown since the forward is not clipped to the forward's amax."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    grads = []
+    for fp8 in (False, True):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model, executor = _Blocks(), _executor()
+        if fp8:
+            fp8_all_gather(model, executor)
+        mesh = init_device_mesh("cpu", (1,))
+        for module in (model.first, model.second, model):
+            fully_shard(module, mesh=mesh)
+        fn = thunderfx(model, executors=[executor])
+        loss = fn(torch.randn(32, 32, generator=torch.Generator().manual_seed(1))).square().sum()
+        with torch.no_grad():
+            model.second.up.weight.mul_(1.5)  # the sharded weight, gathered again for the backward
+        loss.backward()
+        grads.append(model.first.up.weight.grad.to_local())
+    assert torch.equal(*grads)
+
+
+def test_a_weight_sharded_by_columns_is_refused_with_the_fix():
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard
+
+    model = _Blocks()
+    fp8_all_gather(model, _executor())
+    fully_shard(model, mesh=init_device_mesh("cpu", (1,)), shard_placement_fn=lambda p: Shard(p.ndim - 1))
+    with pytest.raises(
+        ValueError, match=r"shard_placement_fn=\.\.\.\) sharding a wrapped weight along dim 1"
+    ):
+        model(torch.randn(16, 32))
 
 
 def test_any_recipe_but_current_scaling_is_refused_with_the_fix():
@@ -219,7 +351,8 @@ def test_te_v2s_cast_of_a_gathered_weight_is_the_cast_of_the_weight(dtype, magni
     g = torch.Generator().manual_seed(0)
     w = (torch.randn(256, 128, generator=g) * magnitude * torch.logspace(-3, 0, 128)).to(dtype)
     w[0, :7] = 0.0
-    data, gathered = gathered_on_one_rank(w, current_scaling())
+    fp8, gathered = gathered_on_one_rank(w, current_scaling())
+    data = fp8.data.view(torch.uint8)
 
     def cast(t):
         scale = reference.scale_from_amax(t.abs().amax().float(), 448.0, current_scaling())
