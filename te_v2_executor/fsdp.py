@@ -397,7 +397,9 @@ def fp8_all_gather(
 def _ran_outside_compiled(name: str) -> Any:
     """A forward pre-hook that refuses a wrapped linear FSDP2 never sharded (its weight is still
     the wrapper), and warns once where the linear runs eagerly: on the FP8-rounded weight it
-    gathers, without te_v2 (in a compiled function the warning is traced away)."""
+    gathers, without te_v2 (in a compiled function the warning is traced away). Dynamo never
+    compiles the hook as a frame of its own, which it does where it runs the module eagerly (a
+    frame it skipped): there ``is_compiling()`` would be traced as true and the warning lost."""
 
     def hook(module: torch.nn.Module, args: Any) -> None:
         if isinstance(module.weight, FP8GatheredWeight):  # FSDP2 registers the gathered weight
@@ -413,4 +415,5 @@ def _ran_outside_compiled(name: str) -> Any:
                 "linear out of fp8_all_gather"
             )
 
+    torch._dynamo.eval_frame.skip_code(hook.__code__)
     return hook

@@ -418,6 +418,41 @@ def test_a_wrapped_linear_run_outside_the_compiled_model_warns_once():
     assert "call the compiled model, or leave this linear out of fp8_all_gather" in str(eager[0].message)
 
 
+class _LoopOverLinears(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(32, 32, bias=False) for _ in range(2))
+        self.head = torch.nn.Linear(32, 16, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = torch.relu(block(x))
+        return self.head(x)
+
+
+def test_wrapped_linears_dynamo_runs_eagerly_warn():
+    """A forward looping over sharded linears: Dynamo gives up on its frame and runs the linears
+    eagerly, where te_v2 never sees them; the hook, which Dynamo then compiled as a frame of its
+    own, tracing its check of ``is_compiling()`` as true, warned nothing."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch._dynamo.reset()
+    model, executor = _LoopOverLinears(), _executor()
+    fp8_all_gather(model, executor)
+    mesh = init_device_mesh("cpu", (1,))
+    for module in (*model.blocks, model):
+        fully_shard(module, mesh=mesh)
+    looked_up = collections.Counter()
+    find = gathered_weights.find
+    with warnings.catch_warnings(record=True) as caught, pytest.MonkeyPatch.context() as patch:
+        warnings.simplefilter("always")
+        patch.setattr(gathered_weights, "find", lambda w, r: looked_up.update(["te_v2"]) or find(w, r))
+        thunderfx(model, executors=[executor])(torch.randn(32, 32))
+    eager = {str(w.message).split(",")[0] for w in caught if "outside a compiled function" in str(w.message)}
+    assert not looked_up and eager == {f"te_v2: {n}.weight" for n in ("blocks.0", "blocks.1", "head")}
+
+
 def test_torch_autocast_is_refused_with_the_fix():
     """thunderfx leaves the linears of a torch.autocast region to PyTorch (seen: the second of two
     linears ran outside Thunder), which would compute with the FP8-rounded weights, silently."""
