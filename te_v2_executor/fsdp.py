@@ -278,9 +278,9 @@ def _refuse_what_fsdp2_cannot_gather(name: str, group: Any) -> None:
 @dataclasses.dataclass(eq=False)
 class _AmaxBatch:
     """The wrapped shards one FSDP2 parameter group gathers together, in the order FSDP2 casts
-    them: a forward gather of the first all-reduces the amaxes of all of them at once (one
-    all-reduce a group, not one a weight), and the others', which FSDP2 calls after it within the
-    same gather, take theirs. A shard that finds none reduces them all again (FSDP2 calls every
+    them: a gather (forward or backward) of the first all-reduces the amaxes of all of them at
+    once (one all-reduce a group, not one a weight), and the others', which FSDP2 calls after it
+    within the same gather, take theirs. A shard that finds none reduces them all again (FSDP2 calls every
     shard of the group at each gather, on every rank alike, so the ranks' all-reduces still
     match), and the first one's next gather reduces them all afresh: no amax outlives its gather.
     """
