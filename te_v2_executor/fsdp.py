@@ -389,9 +389,35 @@ def fp8_all_gather(
             continue
         module.weight = torch.nn.Parameter(FP8GatheredWeight(w.data, executor.config.recipe), w.requires_grad)
         module.register_forward_pre_hook(_ran_outside_compiled(f"{name}.weight" if name else "weight"))
+        module.register_state_dict_post_hook(_plain_in_state_dict)
         wrapped.append(f"{name}.weight" if name else "weight")
     _MODELS.add(model)
     return wrapped
+
+
+def _plain_in_state_dict(module: torch.nn.Module, state_dict: dict[str, Any], prefix: str, _: Any) -> None:
+    """A state dict post-hook: a wrapped weight as the tensor inside the wrapper (a DTensor over
+    it where FSDP2 shards it), so that what reads a state dict (safetensors, ``save_pretrained``,
+    a model without ``fp8_all_gather``) gets a plain tensor; one rank's full state dict kept the
+    wrapper. Loading copies into the wrapper, and a checkpoint loads in place, as before."""
+    key = prefix + "weight"
+    value = state_dict.get(key)
+    local = getattr(value, "_local_tensor", value)
+    if not isinstance(local, FP8GatheredWeight):
+        return
+    if local is value:
+        state_dict[key] = local.unwrap()
+        return
+    from torch.distributed.tensor import DTensor
+
+    state_dict[key] = DTensor.from_local(
+        local.unwrap(),
+        value.device_mesh,
+        value.placements,
+        run_check=False,
+        shape=value.shape,
+        stride=value.stride(),
+    )
 
 
 def _ran_outside_compiled(name: str) -> Any:

@@ -375,32 +375,63 @@ def test_the_gathered_fp8_bytes_make_the_forward_and_dgrad_the_cast_would(dtype)
     assert from_bytes[1].abs().sum() > 0
 
 
+def _two_linears(seed: int, *, wrapped: bool = True) -> torch.nn.Module:
+    """Two linears, gathered in FP8 and sharded where ``wrapped``."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 32))
+    if wrapped:
+        fp8_all_gather(model, _executor())
+        fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
+    return model
+
+
+def _unwrapped_parameters(model: torch.nn.Module) -> list[torch.Tensor]:
+    return [
+        p.unwrap() if isinstance(p, FP8GatheredWeight) else p
+        for p in (getattr(p, "_local_tensor", p) for p in model.parameters())
+    ]
+
+
 def test_a_distributed_checkpoint_of_wrapped_weights_loads_back(tmp_path):
     """torch.distributed.checkpoint saves the sharded, wrapped weights and loads them into another
     such model (weights_only, as DCP loads): the same values, still gathered in FP8."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
 
-    def sharded(seed: int) -> torch.nn.Module:
-        torch.manual_seed(seed)
-        model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 32))
-        fp8_all_gather(model, _executor())
-        fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
-        return model
-
-    saved, loaded = sharded(0), sharded(1)
+    saved, loaded = _two_linears(0), _two_linears(1)
     dcp.save({"model": get_model_state_dict(saved)}, checkpoint_id=tmp_path)
     state = {"model": get_model_state_dict(loaded)}
     dcp.load(state, checkpoint_id=tmp_path)
     set_model_state_dict(loaded, state["model"])
-    for (name, a), b in zip(saved.named_parameters(), loaded.parameters(), strict=True):
-        a, b = a.to_local(), b.to_local()
-        assert type(a) is type(b), name
-        if isinstance(a, FP8GatheredWeight):
-            a, b = a.unwrap(), b.unwrap()
-        assert torch.equal(a, b), name
+    assert sum(isinstance(p.to_local(), FP8GatheredWeight) for p in loaded.parameters()) == 2
+    for a, b in zip(_unwrapped_parameters(saved), _unwrapped_parameters(loaded), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_a_full_state_dict_holds_plain_tensors_that_load_anywhere(tmp_path):
+    """One rank's full state dict held the wrappers, which safetensors could not save; it holds
+    the weights' own tensors now, which a model without the FP8 all-gather loads, and a wrapped
+    model loads into its wrappers."""
+    from safetensors.torch import load_file, save_file
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        set_model_state_dict,
+    )
+
+    saved = _two_linears(0)
+    full = get_model_state_dict(saved, options=StateDictOptions(full_state_dict=True))
+    assert {type(v) for v in full.values()} == {torch.Tensor}
+    save_file(full, tmp_path / "model.safetensors")
+    plain, wrapped = _two_linears(1, wrapped=False), _two_linears(2)
+    plain.load_state_dict(load_file(tmp_path / "model.safetensors"))
+    set_model_state_dict(wrapped, full, options=StateDictOptions(full_state_dict=True))
+    assert sum(isinstance(p.to_local(), FP8GatheredWeight) for p in wrapped.parameters()) == 2
+    for a, b, c in zip(*map(_unwrapped_parameters, (saved, plain, wrapped)), strict=True):
+        assert torch.equal(a, b) and torch.equal(a, c)
 
 
 def test_a_wrapped_linear_run_outside_the_compiled_model_warns_once():
