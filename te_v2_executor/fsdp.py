@@ -6,9 +6,9 @@ all-gather extension hooks (``fsdp_pre_all_gather`` / ``fsdp_post_all_gather``) 
 casts its shard to FP8 E4M3 with the scale of the whole weight's amax (at each gather, one
 all-reduce for the amaxes of all the wrapped weights of the FSDP2 module gathered; a backward's
 gather casts for the forward's recipe and dtype, with the amax of the weight as it is then), the
-all-gather moves the FP8 bytes, and the gathered weight is the FP8 values times the
-scale's inverse, in the parameter's dtype (one Triton pass on CUDA:
-``backends/gathered_dequantize.py``), which is what the compiled function is given.
+all-gather moves the FP8 bytes, and the gathered weight is the FP8 values times the scale's
+inverse, in the parameter's dtype (one Triton pass on CUDA: ``backends/gathered_dequantize.py``),
+which is what the compiled function is given.
 
 Under per-tensor current scaling te_v2's cast of that weight makes exactly the FP8 values
 gathered, with the same scale: the gathered weight's largest values are the amax itself, so te_v2
@@ -280,9 +280,10 @@ class _AmaxBatch:
     """The wrapped shards one FSDP2 parameter group gathers together, in the order FSDP2 casts
     them: a gather (forward or backward) of the first all-reduces the amaxes of all of them at
     once (one all-reduce a group, not one a weight), and the others', which FSDP2 calls after it
-    within the same gather, take theirs. A shard that finds none reduces them all again (FSDP2 calls every
-    shard of the group at each gather, on every rank alike, so the ranks' all-reduces still
-    match), and the first one's next gather reduces them all afresh: no amax outlives its gather.
+    within the same gather, take theirs. A shard that finds none reduces them all again (FSDP2
+    calls every shard of the group at each gather, on every rank alike, so the ranks'
+    all-reduces still match), and the first one's next gather reduces them all afresh: no amax
+    outlives its gather.
     """
 
     shards: list[FP8GatheredWeight]

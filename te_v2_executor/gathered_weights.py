@@ -10,10 +10,11 @@ The hooks record only a gather FSDP2 frees when the forward or backward that mad
 forget the weight otherwise (an explicit ``unshard()``, a module not resharded after the pass):
 a write that moves no version counter (through ``.data``, as peft's ``merge_adapter`` writes)
 then has no window outside that pass. Within it, such a write (a backward hook's, say) is not
-seen, as te_v2 does not see one into a weight whose FP8 copy its forward saved. A weight matches only while it is the tensor the hooks
-wrote, unchanged since: the same storage, offset, shape, strides and dtype; its version counter
-where the hooks left it (an in-place write moves it); its storage not yet freed by FSDP2's
-reshard; and read under the recipe it was cast with. Anything else casts the weight as usual.
+seen, as te_v2 does not see one into a weight whose FP8 copy its forward saved. A weight
+matches only while it is the tensor the hooks wrote, unchanged since: the same storage, offset,
+shape, strides and dtype; its version counter where the hooks left it (an in-place write moves
+it); its storage not yet freed by FSDP2's reshard; and read under the recipe it was cast with.
+Anything else casts the weight as usual.
 """
 
 from __future__ import annotations

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import io
 from collections.abc import Callable, Iterator
@@ -422,3 +423,25 @@ def forward_and_dgrad_through_gathered_weight(
             (y, numerics.linear_dgrad(dy_q, w_saved, recipe, input_shape=tuple(x.shape), dtype=x.dtype))
         )
     return results[0], results[1]
+
+
+@contextlib.contextmanager
+def counted_weight_reads(*, cast_all: bool = False) -> Iterator[collections.Counter]:
+    """How te_v2's FP8 linears got their weights while the block runs, under current scaling:
+    "gathered" where they read the FP8 bytes FSDP2 gathered, "cast" where they cast the weight;
+    with ``cast_all``, te_v2 casts every weight (``gathered_weights.find`` finds nothing)."""
+    from te_v2_executor import gathered_weights
+    from te_v2_executor.recipes import Scaling
+
+    counts, find = collections.Counter(), gathered_weights.find
+
+    def counting(w: torch.Tensor, recipe: RecipeSpec) -> Any:
+        found = None if cast_all else find(w, recipe)
+        counts["gathered" if found is not None else "cast"] += recipe.scaling is Scaling.CURRENT
+        return found
+
+    gathered_weights.find = counting
+    try:
+        yield counts
+    finally:
+        gathered_weights.find = find

@@ -4,9 +4,9 @@ Each FP8 E4M3 value times the scale's inverse, both in the weight's dtype (the p
 once, as PyTorch's ``mul`` rounds it), except the values whose magnitude has the amax's FP8
 code, which are the amax itself with their sign: te_v2's current-scaling cast of the result then
 finds the whole weight's amax, and with it the gathered bytes (``fsdp.py``). ``dequantize`` runs
-in PyTorch's ops, about ten elementwise passes, on any device; on CUDA one Triton kernel does the same
-in one pass (a byte read and the weight written per value), on the compute stream where FSDP2
-calls its hook.
+in PyTorch's ops, about ten elementwise passes, on any device; on CUDA one Triton kernel does
+the same in one pass (a byte read and the weight written per value), on the compute stream where
+FSDP2 calls its hook.
 """
 
 from __future__ import annotations

@@ -6,7 +6,6 @@ ranks, where the all-gather moves a byte a value: ``tests/distributed``."""
 from __future__ import annotations
 
 import collections
-import functools
 import warnings
 
 import pytest
@@ -25,6 +24,7 @@ from te_v2_executor import (
 from te_v2_executor.backends import reference
 from te_v2_executor.fsdp import FP8GatheredWeight, fp8_all_gather
 from tests.helpers import (
+    counted_weight_reads,
     file_store_process_group,
     forward_and_dgrad_through_gathered_weight,
     gathered_on_one_rank,
@@ -223,20 +223,14 @@ def _unseen_write(program: str) -> torch.Tensor:
         "peft's merge_adapter after an explicit unshard",
     ],
 )
-def test_a_write_no_version_counter_sees_reaches_what_te_v2_computes(program, monkeypatch):
+def test_a_write_no_version_counter_sees_reaches_what_te_v2_computes(program):
     """te_v2 reads gathered FP8 bytes only within the pass FSDP2 gathered them for and frees them
     after, so such a write is computed with as where te_v2 casts every weight."""
-    find, looked_up = gathered_weights.find, collections.Counter()
-
-    def counted(w, recipe, *, cast_all):
-        looked_up[cast_all] += 1
-        return None if cast_all else find(w, recipe)
-
-    monkeypatch.setattr(gathered_weights, "find", functools.partial(counted, cast_all=False))
-    from_bytes = _unseen_write(program)
-    monkeypatch.setattr(gathered_weights, "find", functools.partial(counted, cast_all=True))
-    assert torch.equal(from_bytes, _unseen_write(program))
-    assert looked_up[False] > 0 and looked_up[True] > 0  # te_v2 ran the linears in FP8
+    with counted_weight_reads() as reads:
+        from_bytes = _unseen_write(program)
+    with counted_weight_reads(cast_all=True) as casts:
+        assert torch.equal(from_bytes, _unseen_write(program))
+    assert reads.total() > 0 and casts["cast"] > 0  # te_v2 ran the linears in FP8
 
 
 def test_a_weight_written_between_the_forward_and_the_backward_is_gathered_as_it_now_is():
@@ -474,14 +468,11 @@ def test_wrapped_linears_dynamo_runs_eagerly_warn():
     mesh = init_device_mesh("cpu", (1,))
     for module in (*model.blocks, model):
         fully_shard(module, mesh=mesh)
-    looked_up = collections.Counter()
-    find = gathered_weights.find
-    with warnings.catch_warnings(record=True) as caught, pytest.MonkeyPatch.context() as patch:
+    with warnings.catch_warnings(record=True) as caught, counted_weight_reads() as reads:
         warnings.simplefilter("always")
-        patch.setattr(gathered_weights, "find", lambda w, r: looked_up.update(["te_v2"]) or find(w, r))
         thunderfx(model, executors=[executor])(torch.randn(32, 32))
     eager = {str(w.message).split(",")[0] for w in caught if "outside a compiled function" in str(w.message)}
-    assert not looked_up and eager == {f"te_v2: {n}.weight" for n in ("blocks.0", "blocks.1", "head")}
+    assert not reads and eager == {f"te_v2: {n}.weight" for n in ("blocks.0", "blocks.1", "head")}
 
 
 def test_torch_autocast_is_refused_with_the_fix():

@@ -49,7 +49,6 @@ from te_v2_executor import (
     current_scaling,
     delayed_scaling,
     explain,
-    gathered_weights,
     load_quantization_state_dict,
     make_te_v2,
     quantization_state_dict,
@@ -58,8 +57,7 @@ from te_v2_executor import (
 )
 from te_v2_executor.compiled import compiled_functions
 from te_v2_executor.fsdp import FP8GatheredWeight, fp8_all_gather
-from te_v2_executor.recipes import Scaling
-from tests.helpers import CLAIM_ALL
+from tests.helpers import CLAIM_ALL, counted_weight_reads
 from tests.models import LoRAStack, Stack, tiny_llama
 
 DIM, TOKENS_PER_RANK, STEPS, LR = 256, 128, 5, 1e-3
@@ -184,24 +182,6 @@ class Run:
             yield
         finally:
             dist.all_reduce = original
-
-
-@contextlib.contextmanager
-def counted_weight_reads() -> Iterator[Counter]:
-    """How te_v2's FP8 linears got their weights while the block runs, under current scaling:
-    "gathered" where they read the FP8 bytes FSDP2 gathered, "cast" where they cast the weight."""
-    counts, find = Counter(), gathered_weights.find
-
-    def counting(w: torch.Tensor, recipe: Any) -> Any:
-        found = find(w, recipe)
-        counts["gathered" if found is not None else "cast"] += recipe.scaling is Scaling.CURRENT
-        return found
-
-    gathered_weights.find = counting
-    try:
-        yield counts
-    finally:
-        gathered_weights.find = find
 
 
 def train(
