@@ -215,7 +215,7 @@ def _read_on_current_stream(*tensors: torch.Tensor) -> None:
     FSDP2 runs ``fsdp_pre_all_gather`` on its all-gather copy-in stream, and frees the metadata it
     made there as soon as ``fsdp_post_all_gather`` returns on the compute stream: without this,
     the next layer's gather could write its own scale into that memory before this layer's
-    gathered weight was computed from it (steps then differ from a BF16 gather's on GPUs only).
+    gathered weight was computed from it.
     """
     for t in tensors:
         if t.is_cuda:

@@ -17,7 +17,7 @@ erf and exp, IEEE division, each op's result rounded to the input's dtype):
 
 followed by TE's delayed-scaling cast: amax of the rounded values into ``amax``, saturating
 round-to-nearest of ``value * scale`` (NaN stays NaN, as in TE's cast), and
-``scale_inv = 1 / scale``.
+``scale_inv = 1 / scale`` rounded once, as TE's reciprocal (Triton's ``/`` divides approximately).
 """
 
 from __future__ import annotations
@@ -117,7 +117,7 @@ def _activation_cast_transpose_kernel(
         mask_t = (cols[:, None] < N) & (rows[None, :] < M)
         tl.store(col_ptr + transposed, tl.trans(quantized).to(col_ptr.dtype.element_ty), mask=mask_t)
     if tl.program_id(0) == 0 and tl.program_id(1) == 0:
-        tl.store(scale_inv_ptr, 1.0 / scale)
+        tl.store(scale_inv_ptr, libdevice.div_rn(1.0, scale))
 
 
 def activation_cast_transpose(

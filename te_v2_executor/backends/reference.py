@@ -122,11 +122,19 @@ def scale_from_amax(amax: torch.Tensor, fp8_max: float, recipe: RecipeSpec) -> t
     """The scale that maps ``amax`` onto ``fp8_max`` under ``recipe`` (its epsilon and power-of-2
     rule), as TE's current-scaling quantizers compute it; 1 for an amax of 0."""
     amax = amax.float().clamp(min=recipe.amax_epsilon)
-    scale = torch.where(amax > 0, fp8_max / amax, torch.ones_like(amax))
+    scale = torch.where(amax > 0, _divided(fp8_max, amax), torch.ones_like(amax))
     scale = torch.where(torch.isinf(scale), torch.full_like(scale, _FP32_MAX), scale)
     if recipe.power_2_scale:
         scale = torch.exp2(torch.floor(torch.log2(scale)))
     return scale
+
+
+def _divided(numerator: float, denominator: torch.Tensor) -> torch.Tensor:
+    """``numerator / denominator`` in float32, rounded once, as TE's kernels divide: PyTorch's
+    ``float / tensor`` multiplies by the rounded reciprocal, a unit in the last place off for
+    about a quarter of denominators, and so an FP8 value off where a scaled value lies near a
+    rounding boundary."""
+    return torch.full_like(denominator, numerator).div_(denominator)
 
 
 def _block_amax(t: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
@@ -334,7 +342,7 @@ def update_delayed_scaling(
     ):
         history[0].copy_(current)
         chosen = history.amax(dim=0) if recipe.amax_compute_algo == "max" else history[0].clone()
-        new_scale = (fp8_max / chosen) / (2**recipe.margin)
+        new_scale = _divided(fp8_max / 2**recipe.margin, chosen)
         new_scale = torch.where((chosen > 0) & torch.isfinite(chosen), new_scale, scale)
         scale.copy_(torch.where(torch.isinf(new_scale), torch.full_like(new_scale, _FP32_MAX), new_scale))
         history.copy_(torch.roll(history, -1, 0))

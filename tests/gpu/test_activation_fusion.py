@@ -121,6 +121,26 @@ def test_kernel_matches_pytorch_then_te_cast(kind, fp8_dtype, usage):
         )
 
 
+def test_the_kernels_scale_inv_is_tes_for_any_scale():
+    """The kernel's scale_inv is ``1 / scale`` rounded once, as TE's, for scales that are not
+    powers of 2 (Triton's ``/`` divides approximately, up to 2 units in the last place off)."""
+    from te_v2_executor.backends.activation_quantize import Kind, activation_cast_transpose
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(16, 64, generator=g, device="cuda").to(torch.bfloat16)
+    scales = torch.exp2(torch.empty(256, device="cuda").uniform_(-20, 20, generator=g))
+    ours, te = [], []
+    for scale in scales.tolist():
+        amax = torch.zeros(1, device="cuda")
+        scale_t = torch.tensor([scale], device="cuda")
+        fp8 = torch.float8_e4m3fn
+        ours.append(
+            activation_cast_transpose(Kind.GELU, x, scale_t, amax, fp8, rowwise=True, columnwise=False)[2]
+        )
+        te.append(_te_cast(torch.nn.functional.gelu(x), fp8, scale, columnwise=False)[2])
+    assert torch.equal(torch.cat(ours), torch.cat(te))
+
+
 def test_nan_stays_nan_as_in_te_cast():
     """A NaN activation must stay NaN in FP8 (a clamp that drops NaN would hide a diverging run)."""
     from te_v2_executor.backends.activation_quantize import Kind, activation_cast_transpose

@@ -209,3 +209,33 @@ def test_default_te_v2_keeps_lora_adapters_in_bf16_like_te_eager_with_torch_adap
         assert (grad is None) == (g_te[name] is None), name
         if grad is not None:
             torch.testing.assert_close(grad, g_te[name], **FP8_TOLS, msg=_named(name))
+
+
+def test_the_reference_backends_scales_are_tes_to_the_bit():
+    """From the same amaxes, TE's current-scaling quantizer and its fused delayed-scaling update
+    compute the scales the reference backend computes, to the bit (the FP8 all-gather's hooks
+    cast each shard with them, and the cast of the gathered weight must make the same bytes)."""
+    from te_v2_executor import current_scaling, delayed_scaling
+    from te_v2_executor.backends import reference
+    from te_v2_executor.backends import te as numerics
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    amax = torch.exp2(torch.empty(4096, device="cuda").uniform_(-60, 60, generator=g))
+    recipe = delayed_scaling(amax_history_len=1)
+    scales = []
+    for update in (numerics.update_delayed_scaling, reference.update_delayed_scaling):
+        scales.append(torch.ones(amax.numel(), device="cuda"))
+        update(
+            amax.clone(), [torch.zeros(1, amax.numel(), device="cuda")], [scales[-1]], recipe, forward=True
+        )
+    assert torch.equal(*scales)
+
+    recipe = current_scaling()
+    quantizer = numerics.ScalingState(recipe, forward=True, device=amax.device).quantizers[1]
+    quantizer.set_usage(rowwise=True, columnwise=False)
+    values = torch.linspace(-1, 1, 32, device="cuda")
+    te_inv = torch.stack(
+        [numerics._quantize(quantizer, a * values)._scale_inv.float().reshape(()) for a in amax[:512]]
+    )
+    ref_scale = reference.scale_from_amax(amax[:512], recipe.fp8_max(forward=True), recipe)
+    assert torch.equal(te_inv, 1.0 / ref_scale)
