@@ -3,6 +3,7 @@ the elementwise ops they recognise (casts, exact widenings, sole readers)."""
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -23,6 +24,9 @@ Fold = (
     tuple[tuple[BoundSymbol, ...], BoundSymbol]
     | tuple[tuple[BoundSymbol, ...], BoundSymbol, tuple[BoundSymbol, ...]]
 )
+
+# the longest computation ``source_name`` spells out
+_LONGEST = 120
 
 # (operand dtype, wider dtype) pairs whose round trip through the wider one is exact.
 _EXACT_WIDENING = {
@@ -137,9 +141,31 @@ def source_input(producers: dict, p: TensorProxy) -> TensorProxy:
 
 
 def source_name(producers: dict, p: TensorProxy) -> str:
-    """The name of the trace input ``p`` derives from, as ``explain`` shows it (without Thunder's
-    ``t_`` prefix)."""
-    return source_input(producers, p).name.removeprefix("t_")
+    """What ``p`` derives from, as ``explain`` shows it and a linear's ``StateKey`` names it: the
+    name of the trace input it derives from through single-input ops (without Thunder's ``t_``
+    prefix), or, for a value computed from several inputs (a weight ``g * v``, a merged adapter
+    ``w + b @ a``), that computation over their names, ``mul(v,g)``. A proxy's name would do
+    neither: a retrace numbers its proxies anew, so another linear's computed weight could get
+    the name, and with it that linear's delayed-scaling history. A computation longer than
+    ``_LONGEST`` characters is its last op and a digest of the whole."""
+    described: dict[str, str] = {}
+    pending = [source_input(producers, p)]
+    while pending:
+        q = pending[-1]
+        if q not in producers or producers[q].sym.name.startswith("unpack_"):  # a trace input
+            described[q.name] = q.name.removeprefix("t_")
+        else:
+            bsym = producers[q]
+            operands = [source_input(producers, a) for a in bsym.flat_proxy_args]
+            if unnamed := [o for o in operands if o.name not in described]:
+                pending.extend(unnamed)
+                continue
+            text = f"{bsym.sym.name}({','.join(described[o.name] for o in operands)})"
+            if len(text) > _LONGEST:
+                text = f"{bsym.sym.name}#{hashlib.sha1(text.encode()).hexdigest()[:16]}"
+            described[q.name] = text
+        pending.pop()
+    return described[source_input(producers, p).name]
 
 
 def read_only_by(p: Any, reader: BoundSymbol, consumers: Any) -> bool:

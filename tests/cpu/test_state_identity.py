@@ -199,6 +199,37 @@ def test_a_weight_used_twice_has_a_state_per_use(make, sites):
     assert sorted({name.rsplit(".", 2)[0] for name in quantization_state_dict(jitted)}) == sites
 
 
+class Computed(torch.nn.Module):
+    """Two linears whose weights the trace computes from two parameters each (``v * g``, as
+    weight normalization does), of magnitudes far apart, called in either order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.va, self.vb = (torch.nn.Parameter(torch.randn(DIM, DIM) * m) for m in (0.1, 10.0))
+        self.ga, self.gb = (torch.nn.Parameter(torch.full((DIM, 1), m)) for m in (0.5, 10.0))
+
+    def forward(self, x: torch.Tensor, swap: bool = False) -> torch.Tensor:
+        a = lambda: torch.nn.functional.linear(x, self.va * self.ga)  # noqa: E731
+        b = lambda: torch.nn.functional.linear(x, self.vb * self.gb)  # noqa: E731
+        return torch.cat([b(), a()] if swap else [a(), b()], dim=-1)
+
+
+def test_a_computed_weight_keeps_its_state_when_a_retrace_names_proxies_anew():
+    """A weight computed from several tensors is named by its computation, not by its proxy's
+    name: a retrace calling the two linears in the other order gives each its own state, where
+    the first weight computed in the new trace took the other's name, and with it the other's
+    scale (0.998 of the output wrong)."""
+    model = Computed()
+    jitted = _jit(model)
+    _steps(jitted, model, _inputs(3))
+    trained = _states(jitted)
+    assert [key.site for key in trained] == ["mul(va,ga).0", "mul(vb,gb).0"]
+    with quantization_update_scope():
+        jitted(torch.randn(TOKENS, DIM), swap=True)
+        assert [r.state for r in explain(jitted).linears] == list(trained.values())[::-1]
+    assert _states(jitted) == trained
+
+
 class HalfThenWhole(torch.nn.Module):
     """One linear on the first half of the batch, then on the whole batch."""
 
