@@ -41,3 +41,27 @@ class PerFunction(Generic[T]):
         if found is None:
             found = self._made[compile_data] = self._factory()
         return found
+
+
+def module_input_names() -> dict[str, str]:
+    """The parameters and buffers of the module being compiled now, by the name of the proxy its
+    trace reads each as: their qualified names, dots as underscores (``linears_0_weight``).
+
+    Thunder names the proxy of a parameter after the local name it was first read under (``w``,
+    in ``def lin(w): return F.linear(x, w)``), so a retrace that reads the parameters in another
+    order gives that name to another one; the prologue Thunder built for this trace says which
+    parameter each proxy is. Empty outside a compilation, and for a function, whose inputs are
+    its arguments.
+    """
+    from thunder.core import compile_data, prims
+
+    _, stats = compile_data._compile_data.get()
+    prologues = getattr(stats, "last_prologue_traces", None)
+    if not prologues:
+        return {}
+    unpacks = (prims.PrimIDs.UNPACK_PARAMETER, prims.PrimIDs.UNPACK_BUFFER)
+    return {
+        bsym.output.name: bsym.args[1].replace(".", "_")
+        for bsym in prologues[-1].bound_symbols
+        if bsym.sym.id in unpacks and isinstance(bsym.args[1], str)
+    }

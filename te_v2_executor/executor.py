@@ -22,6 +22,7 @@ from thunder.transforms.cudagraph import CUDAGraphTransform
 from te_v2_executor import passes, report
 from te_v2_executor.backends import Backend
 from te_v2_executor.checks import Decision
+from te_v2_executor.compiled import module_input_names
 from te_v2_executor.config import ClaimPolicy, TEv2Config
 from te_v2_executor.fusers import after, broken_default_attention, fast_after_te_v2, missing_fuser
 from te_v2_executor.lowering import LinearLowering
@@ -101,6 +102,7 @@ class TEv2Executor(FusionExecutor):
                 _warn_once(
                     f"te_v2: linear {desc} runs on Thunder's default path: {report.fallback_rule(decision)}"
                 )
+        inputs = module_input_names()
         context = passes.Context(
             registry=registry_for(compile_data),
             grad_enabled=compile_data.is_grad_enabled if compile_data is not None else True,
@@ -108,9 +110,10 @@ class TEv2Executor(FusionExecutor):
             graphed=any(
                 isinstance(t, CUDAGraphTransform) for t in getattr(compile_data, "transforms", None) or ()
             ),
+            inputs=inputs,
         )
         new_trace = passes.run(trace, context, skip=self.config.skip_passes)
-        report.record(compile_data, new_trace, report.report_from_trace(new_trace, decided))
+        report.record(compile_data, new_trace, report.report_from_trace(new_trace, decided, inputs))
         return new_trace
 
 

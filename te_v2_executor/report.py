@@ -7,6 +7,7 @@ states what will execute, not what was intended.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -183,10 +184,12 @@ def fallback_rule(decision: Decision) -> str:
     return decision.rule or "another executor claimed it"
 
 
-def report_from_trace(trace: TraceCtx, decided: list[tuple[BoundSymbol, Decision]]) -> Report:
+def report_from_trace(
+    trace: TraceCtx, decided: list[tuple[BoundSymbol, Decision]], inputs: Mapping[str, str]
+) -> Report:
     """The report of a trace the passes returned; ``decided`` pairs each forward linear of the
     trace they were given that does not run in FP8 (left to Thunder, or run unquantized by te_v2)
-    with its decision."""
+    with its decision; ``inputs`` names the module's parameters and buffers (``source_name``)."""
     policy_rules = {b.kwargs["site"]: d.rule for b, d in decided if b.sym is UNQUANTIZED_FWD}
     producers = utils.producers(trace)
     rows = []
@@ -195,7 +198,7 @@ def report_from_trace(trace: TraceCtx, decided: list[tuple[BoundSymbol, Decision
         state = site.get("state")
         rows.append(
             LinearReport(
-                name=source_name(producers, w),
+                name=source_name(producers, w, inputs),
                 operation=operands(x, w, None).describe(),
                 recipe="unquantized" if state is None else state.recipe.scaling.value,
                 unquantized="" if state is not None else policy_rules[key],
@@ -206,7 +209,7 @@ def report_from_trace(trace: TraceCtx, decided: list[tuple[BoundSymbol, Decision
         if is_thunder_linear(bsym):
             rows.append(
                 LinearReport(
-                    name=source_name(producers, bsym.args[1]),
+                    name=source_name(producers, bsym.args[1], inputs),
                     operation=decision.operands.describe(),
                     recipe="",
                     fallback=fallback_rule(decision),

@@ -38,7 +38,7 @@ class StateKey(NamedTuple):
     """What identifies a linear's state across the retraces of one compiled function.
 
     ``source``: the trace input the weight derives from through single-tensor-input ops (casts,
-    views, slices), or the computation of one made from several, as ``explain`` names it
+    views, slices), or the trace inputs one computed from several reads, as ``explain`` names it
     (``passes._trace.source_name``); ``ordinal``: the call's position among the linears
     of that trace whose weight has that source, in trace order (a weight used twice, or sliced in
     two, has two states).

@@ -13,8 +13,8 @@ the tests) switch them off by name.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
 
 from thunder.core.trace import TraceCtx, TraceProvenance
 from thunder.extend import FusionExecutor
@@ -56,6 +56,8 @@ class Context:
     grad_enabled: bool  # grad mode when the function was traced
     fusers: list[FusionExecutor]  # the fusion executors listed after te_v2
     graphed: bool = False  # a CUDA graph transform captures the traces
+    # the module's parameters and buffers by their proxies' names (compiled.module_input_names)
+    inputs: Mapping[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -74,7 +76,7 @@ class Pass:
 PIPELINE: tuple[Pass, ...] = (
     Pass(
         "states",
-        lambda trace, context: states.bind_states(trace, context.registry),
+        lambda trace, context: states.bind_states(trace, context.registry, context.inputs),
         "every te_v2 symbol gets its linear's state from the function's registry",
         "first: every later pass, the report and the state dict see the registry's states",
         "the linears' symbols carry the provisional states their transforms made",

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -25,7 +25,7 @@ Fold = (
     | tuple[tuple[BoundSymbol, ...], BoundSymbol, tuple[BoundSymbol, ...]]
 )
 
-# the longest computation ``source_name`` spells out
+# the longest name ``source_name`` gives a computed value
 _LONGEST = 120
 
 # (operand dtype, wider dtype) pairs whose round trip through the wider one is exact.
@@ -140,32 +140,36 @@ def source_input(producers: dict, p: TensorProxy) -> TensorProxy:
     return p
 
 
-def source_name(producers: dict, p: TensorProxy) -> str:
+def source_name(producers: dict, p: TensorProxy, inputs: Mapping[str, str]) -> str:
     """What ``p`` derives from, as ``explain`` shows it and a linear's ``StateKey`` names it: the
-    name of the trace input it derives from through single-input ops (without Thunder's ``t_``
-    prefix), or, for a value computed from several inputs (a weight ``g * v``, a merged adapter
-    ``w + b @ a``), that computation over their names, ``mul(v,g)``. A proxy's name would do
-    neither: a retrace numbers its proxies anew, so another linear's computed weight could get
-    the name, and with it that linear's delayed-scaling history. A computation longer than
-    ``_LONGEST`` characters is its last op and a digest of the whole."""
-    described: dict[str, str] = {}
-    pending = [source_input(producers, p)]
+    name of the trace input it derives from through single-input ops (a module's parameter or
+    buffer by its qualified name, ``inputs`` by proxy name: ``compiled.module_input_names``;
+    another without Thunder's ``t_`` prefix), or, for a value computed from several (a weight ``g * v / v.norm()``, a merged
+    adapter ``w + b @ a``), ``computed(`` the names of all the trace inputs it reads ``)``, in
+    order of name: ``computed(g,v)``. A proxy's name would not do: a retrace numbers its proxies
+    anew, so another linear's computed weight could get the name, and with it that linear's
+    delayed-scaling history; nor would the computation's ops, which Thunder names otherwise with
+    and without grad (``true_divide``, ``torch_div_prim_impl``). A name longer than ``_LONGEST``
+    characters is ``computed#`` and a digest of it."""
+    root = source_input(producers, p)
+    if _is_trace_input(producers, root):
+        return inputs.get(root.name, root.name.removeprefix("t_"))
+    read, seen, pending = set(), set(), [root]
     while pending:
-        q = pending[-1]
-        if q not in producers or producers[q].sym.name.startswith("unpack_"):  # a trace input
-            described[q.name] = q.name.removeprefix("t_")
+        q = pending.pop()
+        if q.name in seen:
+            continue
+        seen.add(q.name)
+        if _is_trace_input(producers, q):
+            read.add(inputs.get(q.name, q.name.removeprefix("t_")))
         else:
-            bsym = producers[q]
-            operands = [source_input(producers, a) for a in bsym.flat_proxy_args]
-            if unnamed := [o for o in operands if o.name not in described]:
-                pending.extend(unnamed)
-                continue
-            text = f"{bsym.sym.name}({','.join(described[o.name] for o in operands)})"
-            if len(text) > _LONGEST:
-                text = f"{bsym.sym.name}#{hashlib.sha1(text.encode()).hexdigest()[:16]}"
-            described[q.name] = text
-        pending.pop()
-    return described[source_input(producers, p).name]
+            pending.extend(producers[q].flat_proxy_args)
+    name = f"computed({','.join(sorted(read))})"
+    return name if len(name) <= _LONGEST else f"computed#{hashlib.sha1(name.encode()).hexdigest()[:16]}"
+
+
+def _is_trace_input(producers: dict, p: Any) -> bool:
+    return p not in producers or producers[p].sym.name.startswith("unpack_")
 
 
 def read_only_by(p: Any, reader: BoundSymbol, consumers: Any) -> bool:

@@ -4,6 +4,7 @@ registry, by ``StateKey``, in place of the provisional one the lowering gave it.
 from __future__ import annotations
 
 import collections
+from collections.abc import Mapping
 
 from thunder.core import utils
 from thunder.core.symbol import BoundSymbol
@@ -14,10 +15,11 @@ from te_v2_executor.state import LinearQuantState, StateKey, StateRegistry
 from te_v2_executor.symbols import LINEAR_FWD, is_forward_linear, with_args
 
 
-def bind_states(trace: TraceCtx, registry: StateRegistry) -> TraceCtx:
+def bind_states(trace: TraceCtx, registry: StateRegistry, inputs: Mapping[str, str]) -> TraceCtx:
     """Give every te_v2 symbol of a joint or inference trace its linear's state from
     ``registry``, by ``StateKey``, in place of the provisional one the transforms gave it; then
-    load what was loaded before the first trace (``load_quantization_state_dict``).
+    load what was loaded before the first trace (``load_quantization_state_dict``). ``inputs``
+    names the module's parameters and buffers by their proxies' names (``source_name``).
 
     The symbols of one linear (its forward, a checkpoint recompute, the dy quantization and the
     GEMMs) share the provisional state, so they get one state. A linear's ordinal counts the
@@ -29,7 +31,7 @@ def bind_states(trace: TraceCtx, registry: StateRegistry) -> TraceCtx:
     bound: dict[int, LinearQuantState] = {}
     for bsym in filter(is_forward_linear, trace.bound_symbols):
         root = source_input(producers, bsym.args[1])
-        name, source = root.name, source_name(producers, root)
+        name, source = root.name, source_name(producers, root, inputs)
         ordinal, ordinals[source] = ordinals[source], ordinals[source] + 1
         if bsym.sym is LINEAR_FWD:
             state = bsym.kwargs["state"]

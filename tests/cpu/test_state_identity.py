@@ -200,32 +200,71 @@ def test_a_weight_used_twice_has_a_state_per_use(make, sites):
 
 
 class Computed(torch.nn.Module):
-    """Two linears whose weights the trace computes from two parameters each (``v * g``, as
-    weight normalization does), of magnitudes far apart, called in either order."""
+    """Two weight-normalized linears (each weight ``g * v / |v|``, computed from two parameters),
+    of magnitudes far apart, called in either order."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.va, self.vb = (torch.nn.Parameter(torch.randn(DIM, DIM) * m) for m in (0.1, 10.0))
-        self.ga, self.gb = (torch.nn.Parameter(torch.full((DIM, 1), m)) for m in (0.5, 10.0))
+        self.va, self.vb = (torch.nn.Parameter(torch.randn(DIM, DIM)) for _ in range(2))
+        self.ga, self.gb = (torch.nn.Parameter(torch.full((DIM, 1), m)) for m in (0.05, 20.0))
 
     def forward(self, x: torch.Tensor, swap: bool = False) -> torch.Tensor:
-        a = lambda: torch.nn.functional.linear(x, self.va * self.ga)  # noqa: E731
-        b = lambda: torch.nn.functional.linear(x, self.vb * self.gb)  # noqa: E731
+        def linear(v: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+            return torch.nn.functional.linear(x, g * v / v.norm(dim=1, keepdim=True))
+
+        a, b = (lambda: linear(self.va, self.ga)), (lambda: linear(self.vb, self.gb))
         return torch.cat([b(), a()] if swap else [a(), b()], dim=-1)
 
 
-def test_a_computed_weight_keeps_its_state_when_a_retrace_names_proxies_anew():
-    """A weight computed from several tensors is named by its computation, not by its proxy's
-    name: a retrace calling the two linears in the other order gives each its own state, where
-    the first weight computed in the new trace took the other's name, and with it the other's
-    scale (0.998 of the output wrong)."""
+def test_a_computed_weight_keeps_its_state_across_retraces():
+    """A weight computed from several tensors is named by the trace inputs it reads, neither by
+    its proxy's name nor by its ops: a retrace calling the two linears in the other order gives
+    each its own state (by proxy name, the first weight computed took the other's name and
+    scale: 0.998 of the output wrong), and a call without grad runs the trained state (Thunder
+    names the division otherwise there: by ops, the state was new, with scale 1)."""
     model = Computed()
     jitted = _jit(model)
     _steps(jitted, model, _inputs(3))
     trained = _states(jitted)
-    assert [key.site for key in trained] == ["mul(va,ga).0", "mul(vb,gb).0"]
+    assert [key.site for key in trained] == ["computed(ga,va).0", "computed(gb,vb).0"]
     with quantization_update_scope():
         jitted(torch.randn(TOKENS, DIM), swap=True)
+        assert [r.state for r in explain(jitted).linears] == list(trained.values())[::-1]
+        with torch.no_grad():
+            jitted(torch.randn(TOKENS, DIM))
+        assert [r.state for r in explain(jitted).linears] == list(trained.values())
+    assert _states(jitted) == trained
+
+
+class ThroughHelper(torch.nn.Module):
+    """Two linears whose weights, of magnitudes far apart, a local function reads under one name
+    (``w``), in either order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wa, self.wb = (torch.nn.Parameter(torch.randn(DIM, DIM) * m) for m in (0.01, 10.0))
+
+    def forward(self, x: torch.Tensor, swap: bool = False) -> torch.Tensor:
+        def linear(w: torch.Tensor) -> torch.Tensor:
+            return torch.nn.functional.linear(x, w)
+
+        first, second = (self.wb, self.wa) if swap else (self.wa, self.wb)
+        return torch.cat([linear(first), linear(second)], dim=-1)
+
+
+def test_a_parameter_keeps_its_state_whatever_local_name_thunder_gave_it():
+    """Thunder names a parameter's proxy after the local name it was first read under, so the
+    retrace reading ``wb`` first names it ``w``, the name ``wa`` had: states are keyed by the
+    parameters' qualified names, which the prologue gives (by proxy name, ``wb`` took ``wa``'s
+    state and scale)."""
+    model = ThroughHelper()
+    jitted = _jit(model)
+    _steps(jitted, model, _inputs(3))
+    trained = _states(jitted)
+    assert [key.site for key in trained] == ["wa.0", "wb.0"]
+    with quantization_update_scope():
+        jitted(torch.randn(TOKENS, DIM), swap=True)
+        assert [r.name for r in explain(jitted).linears] == ["wb", "wa"]
         assert [r.state for r in explain(jitted).linears] == list(trained.values())[::-1]
     assert _states(jitted) == trained
 
