@@ -304,10 +304,12 @@ class WrittenThroughAnotherName(nn.Module):
     those reads as if the write had not happened. It differentiates right a write through h itself
     ("setitem"), the read of a reshape that copied (of a transposed h, "reshaped copy"), a write
     under no_grad ("no_grad write") or of the old values plus a number ("shifted"), whose
-    derivative eager takes to be the identity too, and a read that carries no gradient ("mask")."""
+    derivative eager takes to be the identity too, and a read that carries no gradient ("mask",
+    "no_grad mask"). A write into the whole of h under no_grad, read after it ("no_grad whole"),
+    Thunder differentiates as a tensor without gradient, where eager takes the identity."""
 
     REFUSED = ("returned slice", "flat view", "raveled", "transposed view", "slice and base", "weight row")
-    RIGHT = ("setitem", "reshaped copy", "no_grad write", "shifted", "mask")
+    RIGHT = ("setitem", "reshaped copy", "no_grad write", "shifted", "mask", "no_grad mask")
 
     def __init__(self, way: str, dim: int = 64, **kw) -> None:
         super().__init__()
@@ -344,6 +346,11 @@ class WrittenThroughAnotherName(nn.Module):
         elif self.way == "mask":
             h[:, :8].mul_(3.0)
             return (self.b(x) * (h > 0),)
+        elif self.way in ("no_grad whole", "no_grad mask"):
+            with torch.no_grad():
+                h.clamp_(-0.5, 0.5)
+            if self.way == "no_grad mask":
+                return (self.b(x) * (h > 0),)
         else:
             view = {"flat view": h.view(-1), "raveled": h.ravel(), "transposed view": h.t()}[self.way]
             view[:8].mul_(3.0)

@@ -1,6 +1,7 @@
 """Pass ``stale_reads``: make a backward that would compute with the wrong values of a tensor
-written in place raise: one that reads it after the write, as eager's raises, and one through a
-write Thunder differentiates as if it had not happened (``view_writes``)."""
+written in place raise: one that reads it after the write, as eager's raises, one through a
+write Thunder differentiates as if it had not happened, and one through a write under
+``torch.no_grad()`` Thunder differentiates as a cut (``view_writes``)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from thunder.core.trace import TraceCtx, tracectx
 
 from te_v2_executor.passes._trace import before_return, returned_grads, spliced, with_bound_symbols
 from te_v2_executor.passes._writes import Writes, describe, written_tensor
-from te_v2_executor.passes.view_writes import bypassed_writes
+from te_v2_executor.passes.view_writes import bypassed_writes, no_grad_writes_read
 from te_v2_executor.symbols import REFUSE_BACKWARD, SHARES_STORAGE, in_backward
 
 _BYPASSED_WRITE = (
@@ -20,6 +21,13 @@ _BYPASSED_WRITE = (
     "that read as if the write had not happened, so the gradients would be silently wrong. Write "
     "through the tensor itself (`h[:, :4] = h[:, :4] * 3` rather than `h[:, :4].mul_(3)`) or out "
     "of place (`torch.where`, `torch.cat`), or run this without gradients."
+)
+_NO_GRAD_WRITE = (
+    "te_v2: {tensor} is read by {reader} after {writer} wrote into it under torch.no_grad(). "
+    "Thunder differentiates what reads it after such a write as a tensor without gradient, where "
+    "eager differentiates it as it was before the write, so the gradients would be silently "
+    "wrong. Write out of place with the gradient you mean (`h = h + (h.clamp(-1, 1) - h).detach()` "
+    "passes the gradient through as eager does)."
 )
 
 
@@ -42,6 +50,9 @@ def refuse_stale_reads(trace: TraceCtx) -> TraceCtx:
         return before_return(
             trace, REFUSE_BACKWARD.bind(grads, (), messages=(describe(writes, stale),), output=None)
         )
+    if cut := next(no_grad_writes_read(trace), None):
+        message = describe(writes, cut, _NO_GRAD_WRITE)
+        return before_return(trace, REFUSE_BACKWARD.bind(grads, (), messages=(message,), output=None))
     checks: dict[tuple[str, str], tuple[BoundSymbol, str]] = {}
     inserted: dict[int, list[BoundSymbol]] = {}
     for bypass in bypassed_writes(trace):

@@ -17,7 +17,10 @@ read through another name than the write's own then reaches what the storage hel
 write, as if the write had not happened (``w = lin.weight * 1.0; w[0].zero_(); F.linear(x, w)``
 gives row 0 of the weight a gradient), and the write's source gets none through it.
 ``bypassed_writes`` finds such reads where a gradient may flow through them, for ``stale_reads``
-to refuse the backward. Writing through the base itself (``h[:, :4] = h[:, :4] * 3``, Thunder's
+to refuse the backward. Under ``torch.no_grad()`` it is the other way round: the write's own name
+(``h`` after ``h.mul_(2)``) is differentiated as a tensor without gradient, where eager
+differentiates it as before the write, and the base of a written slice is right;
+``no_grad_writes_read`` finds those reads. Writing through the base itself (``h[:, :4] = h[:, :4] * 3``, Thunder's
 ``setitem``) or out of place (``torch.where``, ``torch.cat``) is differentiated right.
 """
 
@@ -204,6 +207,22 @@ def _reads_by_storage(
 def bypassed_writes(trace: TraceCtx) -> Iterator[StaleRead]:
     """The forward's reads, the return's included, of a written storage through a name that does
     not carry the write on (the written slice's base, another view), where a gradient may flow."""
+    return _reads_after_writes(trace, no_grad=False)
+
+
+def no_grad_writes_read(trace: TraceCtx) -> Iterator[StaleRead]:
+    """The forward's reads, the return's included, through the name a write under
+    ``torch.no_grad()`` gave a tensor that carries gradient (the write's result, or what
+    renames it), where a gradient may flow: Thunder differentiates that name as a tensor without
+    gradient, where eager differentiates the tensor as it was before the write. A write through a
+    slice is read through its base's name, which Thunder differentiates as eager does."""
+    return _reads_after_writes(trace, no_grad=True)
+
+
+def _reads_after_writes(trace: TraceCtx, *, no_grad: bool) -> Iterator[StaleRead]:
+    """The forward's reads after a write (one under ``torch.no_grad()`` where ``no_grad``, else
+    one with gradients) into a storage that may carry gradient, where a gradient may flow: through
+    the names that carry the write on where ``no_grad``, else through the others."""
     writes, producers = Writes(trace), utils.producers(trace)
     differentiable, reads = _differentiable_storage(trace, writes), _reads_by_storage(trace, writes)
     for writer in trace.bound_symbols:
@@ -211,12 +230,12 @@ def bypassed_writes(trace: TraceCtx) -> Iterator[StaleRead]:
         if (
             target is None
             or in_backward(writer)
-            or writer.kwargs.get("grad_enabled") is False  # under no_grad: eager's gradient ignores it too
+            or (writer.kwargs.get("grad_enabled") is False) is not no_grad
             or writes.root(target) not in differentiable
-            or _shifts_by_a_constant(writer, target, producers)
+            or (not no_grad and _shifts_by_a_constant(writer, target, producers))
         ):
             continue
         at, carriers = writes.position(writer), writes.carriers(writer)
         for read_at, reader, p in reads.get(writes.root(target), []):
-            if read_at > at and p.name not in carriers:
+            if read_at > at and (p.name in carriers) is no_grad:
                 yield StaleRead(reader, p, writer)

@@ -216,6 +216,21 @@ def test_a_read_through_another_name_of_a_written_storage_refuses_the_backward(w
     assert all(p.grad is None for p in model.parameters())
 
 
+@pytest.mark.parametrize("claim", [ClaimPolicy(), CLAIM_ALL], ids=["default", "fp8"])
+def test_a_read_after_a_whole_tensor_write_under_no_grad_refuses_the_backward(claim):
+    """``with torch.no_grad(): h.clamp_(...)`` then ``b(h)``: Thunder differentiates the written h
+    as a tensor without gradient, so a's weight got only what eager's autograd sends it through
+    the other paths, nothing here (eager takes the write's derivative to be the identity)."""
+    model, x = WrittenThroughAnotherName("no_grad whole"), torch.randn(32, 64)
+    jitted = thunder.jit(model, executors=[make_te_v2(backend="reference", claim=claim)])
+    outputs = jitted(x)
+    if claim is not CLAIM_ALL:  # the forward runs, with eager's values
+        torch.testing.assert_close(outputs, model(x), **TOLS)
+    with pytest.raises(RuntimeError, match=r"after copy_ at .* wrote into it under torch.no_grad\(\)"):
+        sum(o.sum() for o in outputs).backward()
+    assert all(p.grad is None for p in model.parameters())
+
+
 @pytest.mark.parametrize("jit", [thunder.jit, thunderfx], ids=["jit", "thunderfx"])
 def test_an_output_written_through_a_slice_after_the_last_read_is_returned_written(jit):
     """Thunder renames a written storage's other names before each op that reads one, not before
