@@ -49,8 +49,8 @@ def module_input_names() -> dict[str, str]:
 
     Thunder names the proxy of a parameter after the local name it was first read under (``w``,
     in ``def lin(w): return F.linear(x, w)``), so a retrace that reads the parameters in another
-    order gives that name to another one; the prologue Thunder built for this trace says which
-    parameter each proxy is. Empty outside a compilation, and for a function, whose inputs are
+    order gives that name to another one; the prologue Thunder built for this trace (each of its
+    versions) says which parameter each proxy is. Empty outside a compilation, and for a function, whose inputs are
     its arguments.
     """
     from thunder.core import compile_data, prims
@@ -62,6 +62,7 @@ def module_input_names() -> dict[str, str]:
     unpacks = (prims.PrimIDs.UNPACK_PARAMETER, prims.PrimIDs.UNPACK_BUFFER)
     return {
         bsym.output.name: bsym.args[1].replace(".", "_")
-        for bsym in prologues[-1].bound_symbols
+        for prologue in prologues
+        for bsym in prologue.bound_symbols
         if bsym.sym.id in unpacks and isinstance(bsym.args[1], str)
     }
