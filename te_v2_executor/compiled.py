@@ -50,8 +50,9 @@ def module_input_names() -> dict[str, str]:
     Thunder names the proxy of a parameter after the local name it was first read under (``w``,
     in ``def lin(w): return F.linear(x, w)``), so a retrace that reads the parameters in another
     order gives that name to another one; the prologue Thunder built for this trace (each of its
-    versions) says which parameter each proxy is. Empty outside a compilation, and for a function, whose inputs are
-    its arguments.
+    versions) says which parameter each proxy is. Empty outside a compilation, and for a
+    function, whose inputs are its arguments. Reads Thunder's private compile-stats context,
+    where its prologue traces are.
     """
     from thunder.core import compile_data, prims
 

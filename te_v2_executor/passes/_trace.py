@@ -144,16 +144,20 @@ def source_name(producers: dict, p: TensorProxy, inputs: Mapping[str, str]) -> s
     """What ``p`` derives from, as ``explain`` shows it and a linear's ``StateKey`` names it: the
     name of the trace input it derives from through single-input ops (a module's parameter or
     buffer by its qualified name, ``inputs`` by proxy name: ``compiled.module_input_names``;
-    another without Thunder's ``t_`` prefix), or, for a value computed from several (a weight ``g * v / v.norm()``, a merged
-    adapter ``w + b @ a``), ``computed(`` the names of all the trace inputs it reads ``)``, in
-    order of name: ``computed(g,v)``. A proxy's name would not do: a retrace numbers its proxies
-    anew, so another linear's computed weight could get the name, and with it that linear's
-    delayed-scaling history; nor would the computation's ops, which Thunder names otherwise with
-    and without grad (``true_divide``, ``torch_div_prim_impl``). A name longer than ``_LONGEST``
-    characters is ``computed#`` and a digest of it."""
+    another without Thunder's ``t_`` prefix), or, for a value computed from several (a weight
+    ``g * v / v.norm()``, a merged adapter ``w + b @ a``), ``computed(`` the names of all the
+    trace inputs it reads ``)``, in order of name: ``computed(g,v)``. A proxy's name would not do:
+    a retrace numbers its proxies anew, so another linear's computed weight could get the name,
+    and with it that linear's delayed-scaling history; nor would the computation's ops, which
+    Thunder names otherwise with and without grad (``true_divide``, ``torch_div_prim_impl``). A
+    name longer than ``_LONGEST`` characters is ``computed#`` and a digest of it."""
+
+    def named(q: TensorProxy) -> str:
+        return inputs.get(q.name, q.name.removeprefix("t_"))
+
     root = source_input(producers, p)
     if _is_trace_input(producers, root):
-        return inputs.get(root.name, root.name.removeprefix("t_"))
+        return named(root)
     read, seen, pending = set(), set(), [root]
     while pending:
         q = pending.pop()
@@ -161,7 +165,7 @@ def source_name(producers: dict, p: TensorProxy, inputs: Mapping[str, str]) -> s
             continue
         seen.add(q.name)
         if _is_trace_input(producers, q):
-            read.add(inputs.get(q.name, q.name.removeprefix("t_")))
+            read.add(named(q))
         else:
             pending.extend(producers[q].flat_proxy_args)
     name = f"computed({','.join(sorted(read))})"

@@ -5,6 +5,8 @@ write Thunder differentiates as if it had not happened, and one through a write 
 
 from __future__ import annotations
 
+import itertools
+
 from thunder.core import devices, dtypes
 from thunder.core.proxies import TensorProxy
 from thunder.core.symbol import BoundSymbol
@@ -46,12 +48,11 @@ def refuse_stale_reads(trace: TraceCtx) -> TraceCtx:
     if not grads:
         return trace
     writes = Writes(trace)
-    if stale := next((s for s in writes.stale_reads() if in_backward(s.reader)), None):
-        return before_return(
-            trace, REFUSE_BACKWARD.bind(grads, (), messages=(describe(writes, stale),), output=None)
-        )
-    if cut := next(no_grad_writes_read(trace), None):
-        message = describe(writes, cut, _NO_GRAD_WRITE)
+    refusals = itertools.chain(
+        (describe(writes, s) for s in writes.stale_reads() if in_backward(s.reader)),
+        (describe(writes, cut, _NO_GRAD_WRITE) for cut in no_grad_writes_read(trace)),
+    )
+    if message := next(refusals, None):
         return before_return(trace, REFUSE_BACKWARD.bind(grads, (), messages=(message,), output=None))
     checks: dict[tuple[str, str], tuple[BoundSymbol, str]] = {}
     inserted: dict[int, list[BoundSymbol]] = {}

@@ -17,11 +17,12 @@ read through another name than the write's own then reaches what the storage hel
 write, as if the write had not happened (``w = lin.weight * 1.0; w[0].zero_(); F.linear(x, w)``
 gives row 0 of the weight a gradient), and the write's source gets none through it.
 ``bypassed_writes`` finds such reads where a gradient may flow through them, for ``stale_reads``
-to refuse the backward. Under ``torch.no_grad()`` it is the other way round: the write's own name
-(``h`` after ``h.mul_(2)``) is differentiated as a tensor without gradient, where eager
+to refuse the backward. Under ``torch.no_grad()`` it is the other way round: the write's own
+name (``h`` after ``h.mul_(2)``) is differentiated as a tensor without gradient, where eager
 differentiates it as before the write, and the base of a written slice is right;
-``no_grad_writes_read`` finds those reads. Writing through the base itself (``h[:, :4] = h[:, :4] * 3``, Thunder's
-``setitem``) or out of place (``torch.where``, ``torch.cat``) is differentiated right.
+``no_grad_writes_read`` finds those reads. Writing through the base itself (``h[:, :4] =
+h[:, :4] * 3``, Thunder's ``setitem``) or out of place (``torch.where``, ``torch.cat``) is
+differentiated right.
 """
 
 from __future__ import annotations

@@ -222,18 +222,26 @@ def test_a_computed_weight_keeps_its_state_across_retraces():
     each its own state (by proxy name, the first weight computed took the other's name and
     scale: 0.998 of the output wrong), and a call without grad runs the trained state (Thunder
     names the division otherwise there: by ops, the state was new, with scale 1)."""
-    model = Computed()
+    jitted, trained = _swapped_after_training(Computed(), ["computed(ga,va).0", "computed(gb,vb).0"])
+    with quantization_update_scope(), torch.no_grad():
+        jitted(torch.randn(TOKENS, DIM))
+        assert [r.state for r in explain(jitted).linears] == list(trained.values())
+    assert _states(jitted) == trained
+
+
+def _swapped_after_training(model: torch.nn.Module, sites: list[str]) -> tuple:
+    """``model`` (two linears, in the other order with ``swap=True``) jitted and trained 3 steps,
+    its states at ``sites``; then called swapped, which runs the two states swapped and makes
+    none. Returns the jitted model and its trained states, by key."""
     jitted = _jit(model)
     _steps(jitted, model, _inputs(3))
     trained = _states(jitted)
-    assert [key.site for key in trained] == ["computed(ga,va).0", "computed(gb,vb).0"]
+    assert [key.site for key in trained] == sites
     with quantization_update_scope():
         jitted(torch.randn(TOKENS, DIM), swap=True)
         assert [r.state for r in explain(jitted).linears] == list(trained.values())[::-1]
-        with torch.no_grad():
-            jitted(torch.randn(TOKENS, DIM))
-        assert [r.state for r in explain(jitted).linears] == list(trained.values())
     assert _states(jitted) == trained
+    return jitted, trained
 
 
 class ThroughHelper(torch.nn.Module):
@@ -257,16 +265,8 @@ def test_a_parameter_keeps_its_state_whatever_local_name_thunder_gave_it():
     retrace reading ``wb`` first names it ``w``, the name ``wa`` had: states are keyed by the
     parameters' qualified names, which the prologue gives (by proxy name, ``wb`` took ``wa``'s
     state and scale)."""
-    model = ThroughHelper()
-    jitted = _jit(model)
-    _steps(jitted, model, _inputs(3))
-    trained = _states(jitted)
-    assert [key.site for key in trained] == ["wa.0", "wb.0"]
-    with quantization_update_scope():
-        jitted(torch.randn(TOKENS, DIM), swap=True)
-        assert [r.name for r in explain(jitted).linears] == ["wb", "wa"]
-        assert [r.state for r in explain(jitted).linears] == list(trained.values())[::-1]
-    assert _states(jitted) == trained
+    jitted, _ = _swapped_after_training(ThroughHelper(), ["wa.0", "wb.0"])
+    assert [r.name for r in explain(jitted).linears] == ["wb", "wa"]
 
 
 class HalfThenWhole(torch.nn.Module):
