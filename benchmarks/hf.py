@@ -88,10 +88,15 @@ def _thunderfx(
     return build
 
 
-def _cuda_graphs() -> list:
-    from te_v2_executor import TEv2CUDAGraphTransform
+def _cuda_graphs(**options: bool) -> Callable[[], list]:
+    """The transforms of a variant with CUDA graphs: ``TEv2CUDAGraphTransform(**options)``."""
 
-    return [TEv2CUDAGraphTransform()]
+    def transforms() -> list:
+        from te_v2_executor import TEv2CUDAGraphTransform
+
+        return [TEv2CUDAGraphTransform(**options)]
+
+    return transforms
 
 
 def _te_v2_fusers() -> list:
@@ -213,7 +218,7 @@ VARIANTS: dict[str, tuple[Callable[[torch.nn.Module], Callable], bool]] = {
     "thunderfx BF16": (_thunderfx(_te_v2_fusers, causal=False), False),
     "thunderfx + built-in TE": (_builtin_te, True),
     "thunderfx + te_v2": (_thunderfx(_te_v2_default), True),
-    "thunderfx + te_v2 + CUDA graphs": (_thunderfx(_te_v2_default, _cuda_graphs), True),
+    "thunderfx + te_v2 + CUDA graphs": (_thunderfx(_te_v2_default, _cuda_graphs()), True),
 }
 # Ablations of the default list, for choosing it, and of each optional pass, for keeping it: run
 # with --variants.
@@ -227,6 +232,10 @@ ABLATIONS = {
     "thunderfx BF16, nvFuser": (_thunderfx(_nvfuser_after(False), causal=False), False),
     "thunderfx + te_v2, masked attention": (_thunderfx(_te_v2_default, causal=False), True),
     "thunderfx + te_v2, nvFuser": (_thunderfx(_nvfuser_after(True)), True),
+    "thunderfx + te_v2 + CUDA graphs, one pool": (
+        _thunderfx(_te_v2_default, _cuda_graphs(share_mem_pool=True)),
+        True,
+    ),
     **{f"thunderfx + te_v2 without {name}": (_thunderfx(_te_v2_without(name)), True) for name in OPTIONAL},
 }
 # Every variant a worker can run, by name.

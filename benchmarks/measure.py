@@ -108,16 +108,33 @@ def step_times_ms(step: Callable[[], None], *, warmup: int, steps: int) -> list[
 
 
 def peak_memory_above(step: Callable[[], None], model: torch.nn.Module, baseline: int) -> int:
-    """Bytes a step allocates at its peak beyond ``baseline``, what was live before the variant
-    first ran (the model, its input): what a variant keeps between steps (CUDA graph pools,
-    workspaces) counts, as it occupies the GPU all the same."""
+    """Bytes a step holds at its peak beyond ``baseline``, what was live before the variant first
+    ran (the model, its input): what a variant keeps between steps (CUDA graph pools, workspaces)
+    counts, as it occupies the GPU all the same.
+
+    That is the peak the allocator counts as allocated, plus what the private pools of CUDA
+    graphs hold that no tensor does (``idle_in_graph_pools``): a replay writes its temporaries
+    there without allocating them."""
     model.zero_grad(set_to_none=True)
     gc.collect()
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     step()
     torch.cuda.synchronize()
-    return torch.cuda.max_memory_allocated() - baseline
+    return torch.cuda.max_memory_allocated() - baseline + idle_in_graph_pools(torch.cuda.memory_snapshot())
+
+
+def idle_in_graph_pools(segments: list[dict[str, Any]]) -> int:
+    """Bytes of the memory ``segments`` (``torch.cuda.memory_snapshot()``) that belong to a
+    private pool, as a CUDA graph's memory does, and that no tensor holds.
+
+    A capture allocates the graph's temporaries from its pool and frees them when it ends, so
+    ``torch.cuda.max_memory_allocated`` no longer counts them; each replay writes them all the
+    same, and no allocation outside the pool can take that memory while the graph lives. Outside
+    private pools, free memory is the caching allocator's to lend and is not counted."""
+    return sum(
+        s["total_size"] - s["allocated_size"] for s in segments if tuple(s["segment_pool_id"]) != (0, 0)
+    )
 
 
 def kernel_names(step: Callable[[], None]) -> list[str]:
@@ -154,6 +171,7 @@ def measure(
         "step_ms": median,
         "step_ms_p10_p90": [times[len(times) // 10], times[-1 - len(times) // 10]],
         "peak_mib_above_model": peak_memory_above(step, model, baseline) / 2**20,
+        "graph_pools_idle_mib": idle_in_graph_pools(torch.cuda.memory_snapshot()) / 2**20,
         "gemm_kernels": gemm_count(names),
         "kernels": len(names),
         "tflops": flops / (median * 1e-3) / 1e12,

@@ -1,8 +1,10 @@
 """``benchmarks.memory_peak``: the replay of a memory snapshot's trace finds the peak and the blocks
-alive at it, named by the frames that allocated them."""
+alive at it, named by the frames that allocated them; ``benchmarks.measure`` counts what CUDA graphs'
+pools hold that no tensor does."""
 
 from __future__ import annotations
 
+from benchmarks.measure import idle_in_graph_pools
 from benchmarks.memory_peak import live_at_peak
 
 
@@ -29,3 +31,12 @@ def test_the_peak_holds_the_blocks_alive_at_its_moment():
         (10, "te.py:1:_gemm"),
         (20, "(no Python frame: made by autograd's engine, such as a zero gradient)"),
     ]
+
+
+def test_only_private_pools_free_memory_counts_as_held():
+    segments = [
+        {"segment_pool_id": (0, 0), "total_size": 100, "allocated_size": 10},
+        {"segment_pool_id": (1, 0), "total_size": 64, "allocated_size": 16},
+        {"segment_pool_id": [1, 1], "total_size": 8, "allocated_size": 8},
+    ]
+    assert idle_in_graph_pools(segments) == 48
