@@ -29,5 +29,5 @@ def test_a_replayed_graphs_temporaries_count_in_the_peak():
     torch.cuda.synchronize()
     assert torch.cuda.max_memory_allocated() - baseline < MIB, "a replay allocates nothing"
     peak = peak_memory_above(graph.replay, torch.nn.Linear(1, 1), baseline)
-    assert peak >= 2 * x.nbytes, "both 64 MiB temporaries are live at once in the graph's pool"
+    assert peak >= 2 * x.nbytes - MIB, "both 64 MiB temporaries are live at once in the graph's pool"
     torch.testing.assert_close(out, x * 2 + 1)
