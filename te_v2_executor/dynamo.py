@@ -4,7 +4,9 @@ that must see Dynamo's whole graph, before Thunder's splitter cuts it into regio
 ``thunder.dynamo.thunderfx(model, executors=te_v2_executor.executors())`` runs te_v2 as well;
 this entry adds what an executor cannot do from inside one of Thunder's regions: attention masks
 proved causal when Dynamo compiles (``causal_masks``), which halves a causal attention's work and
-keeps the ops Hugging Face builds its mask from out of the split.
+keeps the ops Hugging Face builds its mask from out of the split; and a warning where a linear of
+the model runs eagerly, outside what Dynamo compiled, so without te_v2 (a graph break Dynamo makes
+at each layer Hugging Face checkpoints, for one).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from thunder.dynamo.compiler import ThunderFXCompiledObject
 from thunder.dynamo.utils import get_torch_compile_kwargs
 
 from te_v2_executor import causal_masks
-from te_v2_executor.executor import executors
+from te_v2_executor.executor import TEv2Executor, _warn_once, executors
 
 
 class TEv2Compiler(ThunderCompiler):
@@ -44,9 +46,52 @@ def thunderfx(fn: Callable, /, *, fold_causal_masks: bool = True, **kwargs: Any)
     as thunderfx's do (``transforms=[TEv2CUDAGraphTransform()]``, ``dynamic=False``).
 
     The result is thunderfx's: ``last_traces``, ``last_backward_traces`` and
-    ``_backend.subgraph_infos`` work alike."""
+    ``_backend.subgraph_infos`` work alike. Where an ``nn.Linear`` of a module ``fn`` runs
+    eagerly, outside what Dynamo compiled, and so in the model's dtype without te_v2, the first
+    such linear warns (``TEv2FallbackWarning``)."""
     kwargs.setdefault("executors", executors())
+    if isinstance(fn, torch.nn.Module) and any(isinstance(e, TEv2Executor) for e in kwargs["executors"]):
+        _warn_where_linears_run_eagerly(fn)
     compile_kwargs = get_torch_compile_kwargs(**kwargs)
     thunder_options = {k: v for k, v in kwargs.items() if k not in compile_kwargs}
     backend = TEv2Compiler(fold_causal_masks=fold_causal_masks, **thunder_options)
     return ThunderFXCompiledObject(backend, torch.compile(fn, backend=backend, **compile_kwargs))
+
+
+def when_run_eagerly(action: Callable[[torch.nn.Module], None]) -> Callable[[torch.nn.Module, Any], None]:
+    """A forward pre-hook that calls ``action(module)`` where the module runs eagerly, outside any
+    function Dynamo compiled; in a compiled function it is traced away. Dynamo never compiles the
+    hook as a frame of its own, which it does where it runs the module eagerly (a frame it
+    skipped): there ``is_compiling()`` would be traced as true and the action lost."""
+
+    def hook(module: torch.nn.Module, args: Any) -> None:
+        if not torch.compiler.is_compiling():
+            action(module)
+
+    torch._dynamo.eval_frame.skip_code(hook.__code__)
+    return hook
+
+
+def _warn_where_linears_run_eagerly(model: torch.nn.Module) -> None:
+    """Hooks every ``nn.Linear`` of ``model`` so that the first one to run eagerly warns, naming
+    itself: one warning for a model, whose other linears most likely run eagerly for the same
+    reason."""
+    names = {module: name for name, module in model.named_modules() if type(module) is torch.nn.Linear}
+    warned: list[torch.nn.Module] = []
+
+    def warn(module: torch.nn.Module) -> None:
+        if warned:
+            return
+        warned.append(module)
+        _warn_once(
+            f"te_v2: {names[module] or 'the model'} (an nn.Linear) ran outside the compiled function, "
+            f"so in {module.weight.dtype} without te_v2 or FP8, and likely other linears too: Dynamo "
+            "broke the graph around it, or the model itself was called instead of its compiled "
+            "callable. Hugging Face gradient checkpointing (gradient_checkpointing_enable) makes "
+            "Dynamo break the graph at each checkpointed layer: turn it off to run the layers in "
+            "FP8 (docs/usage.md, Troubleshooting). explain(compiled) lists the linears te_v2 runs."
+        )
+
+    hook = when_run_eagerly(warn)
+    for module in names:
+        module.register_forward_pre_hook(hook)

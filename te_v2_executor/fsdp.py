@@ -45,6 +45,7 @@ from torch._prims_common import suggest_memory_format
 from te_v2_executor import autocast, checks, gathered_weights
 from te_v2_executor.backends import Backend, gathered_dequantize
 from te_v2_executor.backends.reference import scale_from_amax
+from te_v2_executor.dynamo import when_run_eagerly
 from te_v2_executor.executor import TEv2Executor, _warn_once, te_v2
 from te_v2_executor.recipes import RecipeSpec, Scaling
 
@@ -389,9 +390,11 @@ def fp8_all_gather(
         ):
             continue
         module.weight = torch.nn.Parameter(FP8GatheredWeight(w.data, executor.config.recipe), w.requires_grad)
-        module.register_forward_pre_hook(_ran_outside_compiled(f"{name}.weight" if name else "weight"))
+        qualified = f"{name}.weight" if name else "weight"
+        module.register_forward_pre_hook(_refuse_unsharded(qualified))
+        module.register_forward_pre_hook(_gathered_outside_compiled(qualified))
         module.register_state_dict_post_hook(_plain_in_state_dict)
-        wrapped.append(f"{name}.weight" if name else "weight")
+        wrapped.append(qualified)
     _MODELS.add(model)
     return wrapped
 
@@ -421,12 +424,9 @@ def _plain_in_state_dict(module: torch.nn.Module, state_dict: dict[str, Any], pr
     )
 
 
-def _ran_outside_compiled(name: str) -> Any:
-    """A forward pre-hook that refuses a wrapped linear FSDP2 never sharded (its weight is still
-    the wrapper), and warns once where the linear runs eagerly: on the FP8-rounded weight it
-    gathers, without te_v2 (in a compiled function the warning is traced away). Dynamo never
-    compiles the hook as a frame of its own, which it does where it runs the module eagerly (a
-    frame it skipped): there ``is_compiling()`` would be traced as true and the warning lost."""
+def _refuse_unsharded(name: str) -> Any:
+    """A forward pre-hook that refuses a wrapped linear FSDP2 never sharded: its weight is still
+    the wrapper."""
 
     def hook(module: torch.nn.Module, args: Any) -> None:
         if isinstance(module.weight, FP8GatheredWeight):  # FSDP2 registers the gathered weight
@@ -434,13 +434,18 @@ def _ran_outside_compiled(name: str) -> Any:
                 f"te_v2: {name} was wrapped by fp8_all_gather but is not sharded: call fully_shard "
                 "on the model (or its blocks) after fp8_all_gather, or leave fp8_all_gather out"
             )
-        if not torch.compiler.is_compiling():
-            _warn_once(
-                f"te_v2: {name}, gathered in FP8 by fp8_all_gather, runs outside a compiled function "
-                "(eagerly, after a graph break, or the model called instead of its compiled callable), "
-                "so on its FP8-rounded weight without te_v2: call the compiled model, or leave this "
-                "linear out of fp8_all_gather"
-            )
 
-    torch._dynamo.eval_frame.skip_code(hook.__code__)
     return hook
+
+
+def _gathered_outside_compiled(name: str) -> Any:
+    """The warning of a wrapped linear run eagerly: on the FP8-rounded weight it gathers, without
+    te_v2 (in a compiled function the warning is traced away)."""
+    return when_run_eagerly(
+        lambda module: _warn_once(
+            f"te_v2: {name}, gathered in FP8 by fp8_all_gather, runs outside a compiled function "
+            "(eagerly, after a graph break, or the model called instead of its compiled callable), "
+            "so on its FP8-rounded weight without te_v2: call the compiled model, or leave this "
+            "linear out of fp8_all_gather"
+        )
+    )

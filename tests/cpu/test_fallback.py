@@ -110,3 +110,33 @@ def test_te_backend_without_transformer_engine_says_what_to_install():
     jitted = thunder.jit(Stack([64, 64]), executors=[te_v2])
     with pytest.raises(ImportError, match=r"te-v2-executor\[te\].*backend='reference'"):
         jitted(torch.randn(32, 64))
+
+
+@pytest.mark.parametrize("checkpointed", [True, False], ids=["hf-gradient-checkpointing", "plain"])
+def test_linears_dynamo_runs_eagerly_warn_through_te_v2s_thunderfx(monkeypatch, checkpointed):
+    """Hugging Face gradient checkpointing makes Dynamo break the graph at each checkpointed layer
+    and run it eagerly, so its linears never reach te_v2: ``te_v2_executor.thunderfx`` warns,
+    naming a layer's linear. Without it the whole model is compiled and nothing warns."""
+    pytest.importorskip("transformers", reason="needs transformers (the [bench] extra)")
+    import te_v2_executor
+    from te_v2_executor import executor, executors
+    from tests.models import tiny_llama
+
+    monkeypatch.setattr(executor, "_warned", set())
+    model = tiny_llama(64, torch.float32).train()
+    if checkpointed:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    ids = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(0))
+    torch._dynamo.reset()
+    compiled = te_v2_executor.thunderfx(model, executors=executors(make_te_v2(backend="reference")))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        compiled(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+    outside = [str(w.message) for w in caught if "ran outside the compiled function" in str(w.message)]
+    if checkpointed:
+        assert len(outside) == 1
+        assert re.match(r"te_v2: model\.layers\.0\.\w+\.\w+_proj \(an nn.Linear\)", outside[0]), outside
+        assert all(issubclass(w.category, TEv2FallbackWarning) for w in caught if str(w.message) in outside)
+    else:
+        assert outside == []
+    torch._dynamo.reset()
