@@ -11,6 +11,7 @@ at each layer Hugging Face checkpoints, for one).
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -72,11 +73,17 @@ def when_run_eagerly(action: Callable[[torch.nn.Module], None]) -> Callable[[tor
     return hook
 
 
+_HOOKED: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
+
+
 def _warn_where_linears_run_eagerly(model: torch.nn.Module) -> None:
     """Hooks every ``nn.Linear`` of ``model`` so that the first one to run eagerly warns, naming
     itself: one warning for a model, whose other linears most likely run eagerly for the same
-    reason."""
-    names = {module: name for name, module in model.named_modules() if type(module) is torch.nn.Linear}
+    reason. A model compiled again keeps the hooks it has."""
+    if model in _HOOKED:
+        return
+    _HOOKED.add(model)
+    names = {module: name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)}
     warned: list[torch.nn.Module] = []
 
     def warn(module: torch.nn.Module) -> None:

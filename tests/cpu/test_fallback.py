@@ -140,3 +140,13 @@ def test_linears_dynamo_runs_eagerly_warn_through_te_v2s_thunderfx(monkeypatch, 
     else:
         assert outside == []
     torch._dynamo.reset()
+
+
+def test_a_model_compiled_again_keeps_one_warning_hook_per_linear():
+    import te_v2_executor
+    from te_v2_executor import executors
+
+    model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.ReLU(), torch.nn.Linear(32, 32))
+    for _ in range(2):
+        te_v2_executor.thunderfx(model, executors=executors(make_te_v2(backend="reference")))
+    assert [len(m._forward_pre_hooks) for m in model.modules() if isinstance(m, torch.nn.Linear)] == [1, 1]
