@@ -59,19 +59,27 @@ def thunderfx(fn: Callable, /, *, fold_causal_masks: bool = True, **kwargs: Any)
     return ThunderFXCompiledObject(backend, torch.compile(fn, backend=backend, **compile_kwargs))
 
 
-def when_run_eagerly(action: Callable[[torch.nn.Module], None]) -> Callable[[torch.nn.Module, Any], None]:
-    """A forward pre-hook that calls ``action(module)`` where the module runs eagerly, outside any
-    function Dynamo compiled; in a compiled function it is traced away. Dynamo never compiles the
-    hook as a frame of its own, which it does where it runs the module eagerly (a frame it
-    skipped): there ``is_compiling()`` would be traced as true and the action lost."""
+class EagerRunWarning:
+    """A forward pre-hook that warns once (``TEv2FallbackWarning``) where its module runs
+    eagerly, outside any function Dynamo compiled; in a compiled function it is traced away.
 
-    def hook(module: torch.nn.Module, args: Any) -> None:
-        if not torch.compiler.is_compiling():
-            action(module)
+    Hooks given one ``group`` warn only for the first of them to run eagerly. A hook is an object,
+    not a closure, so that a model that holds it can still be pickled (``torch.save(model)``) and
+    deep-copied. Dynamo never compiles ``__call__`` as a frame of its own, which it does where it
+    runs the module eagerly (a frame it skipped): there ``is_compiling()`` would be traced as true
+    and the warning lost."""
 
-    torch._dynamo.eval_frame.skip_code(hook.__code__)
-    return hook
+    def __init__(self, message: str, group: list[str] | None = None) -> None:
+        self.message = message
+        self.group = [] if group is None else group
 
+    def __call__(self, module: torch.nn.Module, args: Any) -> None:
+        if not torch.compiler.is_compiling() and not self.group:
+            self.group.append(self.message)
+            _warn_once(self.message)
+
+
+torch._dynamo.eval_frame.skip_code(EagerRunWarning.__call__.__code__)
 
 _HOOKED: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
 
@@ -83,22 +91,15 @@ def _warn_where_linears_run_eagerly(model: torch.nn.Module) -> None:
     if model in _HOOKED:
         return
     _HOOKED.add(model)
-    names = {module: name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)}
-    warned: list[torch.nn.Module] = []
-
-    def warn(module: torch.nn.Module) -> None:
-        if warned:
-            return
-        warned.append(module)
-        _warn_once(
-            f"te_v2: {names[module] or 'the model'} (an nn.Linear) ran outside the compiled function, "
-            f"so in {module.weight.dtype} without te_v2 or FP8, and likely other linears too: Dynamo "
-            "broke the graph around it, or the model itself was called instead of its compiled "
-            "callable. Hugging Face gradient checkpointing (gradient_checkpointing_enable) makes "
-            "Dynamo break the graph at each checkpointed layer: turn it off to run the layers in "
-            "FP8 (docs/usage.md, Troubleshooting). explain(compiled) lists the linears te_v2 runs."
-        )
-
-    hook = when_run_eagerly(warn)
-    for module in names:
-        module.register_forward_pre_hook(hook)
+    group: list[str] = []
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear):
+            message = (
+                f"te_v2: {name or 'the model'} (an nn.Linear) ran outside the compiled function, so "
+                "in the model's dtype without te_v2 or FP8, and likely other linears too: Dynamo "
+                "broke the graph around it, or the model itself was called instead of its compiled "
+                "callable. Hugging Face gradient checkpointing (gradient_checkpointing_enable) makes "
+                "Dynamo break the graph at each checkpointed layer: turn it off to run the layers in "
+                "FP8 (docs/usage.md, Troubleshooting). explain(compiled) lists the linears te_v2 runs."
+            )
+            module.register_forward_pre_hook(EagerRunWarning(message, group))

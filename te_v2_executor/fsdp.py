@@ -45,8 +45,8 @@ from torch._prims_common import suggest_memory_format
 from te_v2_executor import autocast, checks, gathered_weights
 from te_v2_executor.backends import Backend, gathered_dequantize
 from te_v2_executor.backends.reference import scale_from_amax
-from te_v2_executor.dynamo import when_run_eagerly
-from te_v2_executor.executor import TEv2Executor, _warn_once, te_v2
+from te_v2_executor.dynamo import EagerRunWarning
+from te_v2_executor.executor import TEv2Executor, te_v2
 from te_v2_executor.recipes import RecipeSpec, Scaling
 
 # what FSDP2 does to a parameter while it shards it and its optimizer steps: these keep the wrapper
@@ -438,14 +438,12 @@ def _refuse_unsharded(name: str) -> Any:
     return hook
 
 
-def _gathered_outside_compiled(name: str) -> Any:
+def _gathered_outside_compiled(name: str) -> EagerRunWarning:
     """The warning of a wrapped linear run eagerly: on the FP8-rounded weight it gathers, without
     te_v2 (in a compiled function the warning is traced away)."""
-    return when_run_eagerly(
-        lambda module: _warn_once(
-            f"te_v2: {name}, gathered in FP8 by fp8_all_gather, runs outside a compiled function "
-            "(eagerly, after a graph break, or the model called instead of its compiled callable), "
-            "so on its FP8-rounded weight without te_v2: call the compiled model, or leave this "
-            "linear out of fp8_all_gather"
-        )
+    return EagerRunWarning(
+        f"te_v2: {name}, gathered in FP8 by fp8_all_gather, runs outside a compiled function "
+        "(eagerly, after a graph break, or the model called instead of its compiled callable), "
+        "so on its FP8-rounded weight without te_v2: call the compiled model, or leave this "
+        "linear out of fp8_all_gather"
     )

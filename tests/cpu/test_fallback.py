@@ -142,11 +142,23 @@ def test_linears_dynamo_runs_eagerly_warn_through_te_v2s_thunderfx(monkeypatch, 
     torch._dynamo.reset()
 
 
-def test_a_model_compiled_again_keeps_one_warning_hook_per_linear():
+def test_a_hooked_model_compiled_again_copied_or_pickled_keeps_one_warning_hook_per_linear(monkeypatch):
+    """Compiled again, a model keeps one hook per linear; its deep copy and its pickle, run
+    eagerly, warn once, as the model does."""
+    import pickle
+
     import te_v2_executor
-    from te_v2_executor import executors
+    from te_v2_executor import executor, executors
 
     model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.ReLU(), torch.nn.Linear(32, 32))
     for _ in range(2):
         te_v2_executor.thunderfx(model, executors=executors(make_te_v2(backend="reference")))
     assert [len(m._forward_pre_hooks) for m in model.modules() if isinstance(m, torch.nn.Linear)] == [1, 1]
+    for twin in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+        monkeypatch.setattr(executor, "_warned", set())
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            twin(torch.randn(4, 32))
+            twin(torch.randn(4, 32))
+        assert [w.category for w in caught] == [TEv2FallbackWarning]
+        assert str(caught[0].message).startswith("te_v2: 0 (an nn.Linear) ran outside the compiled function")
