@@ -11,7 +11,6 @@ at each layer Hugging Face checkpoints, for one).
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -40,18 +39,26 @@ class TEv2Compiler(ThunderCompiler):
         return super().__call__(gm, sample_args)
 
 
-def thunderfx(fn: Callable, /, *, fold_causal_masks: bool = True, **kwargs: Any) -> ThunderFXCompiledObject:
+def thunderfx(
+    fn: Callable, /, *, fold_causal_masks: bool = True, warn_eager_linears: bool = True, **kwargs: Any
+) -> ThunderFXCompiledObject:
     """``fn`` compiled as ``thunder.dynamo.thunderfx`` compiles it, with ``executors()`` unless
     ``executors=`` says otherwise, and attention masks proved causal run causal
     (``fold_causal_masks``). Other keyword arguments go to ``torch.compile`` or ``thunder.jit``,
     as thunderfx's do (``transforms=[TEv2CUDAGraphTransform()]``, ``dynamic=False``).
 
     The result is thunderfx's: ``last_traces``, ``last_backward_traces`` and
-    ``_backend.subgraph_infos`` work alike. Where an ``nn.Linear`` of a module ``fn`` runs
-    eagerly, outside what Dynamo compiled, and so in the model's dtype without te_v2, the first
-    such linear warns (``TEv2FallbackWarning``)."""
+    ``_backend.subgraph_infos`` work alike. With ``warn_eager_linears``, each ``nn.Linear`` of a
+    module ``fn`` gets a forward pre-hook (``EagerRunWarning``), so that where one runs eagerly,
+    outside what Dynamo compiled, and so in the model's dtype without te_v2, the first such
+    linear warns (``TEv2FallbackWarning``). Subclasses of ``nn.Linear`` get none: Dynamo may run
+    such a module's call eagerly and still compile its ``forward``, which te_v2 then runs."""
     kwargs.setdefault("executors", executors())
-    if isinstance(fn, torch.nn.Module) and any(isinstance(e, TEv2Executor) for e in kwargs["executors"]):
+    if (
+        warn_eager_linears
+        and isinstance(fn, torch.nn.Module)
+        and any(isinstance(e, TEv2Executor) for e in kwargs["executors"])
+    ):
         _warn_where_linears_run_eagerly(fn)
     compile_kwargs = get_torch_compile_kwargs(**kwargs)
     thunder_options = {k: v for k, v in kwargs.items() if k not in compile_kwargs}
@@ -81,25 +88,25 @@ class EagerRunWarning:
 
 torch._dynamo.eval_frame.skip_code(EagerRunWarning.__call__.__code__)
 
-_HOOKED: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
-
 
 def _warn_where_linears_run_eagerly(model: torch.nn.Module) -> None:
-    """Hooks every ``nn.Linear`` of ``model`` so that the first one to run eagerly warns, naming
-    itself: one warning for a model, whose other linears most likely run eagerly for the same
-    reason. A model compiled again keeps the hooks it has."""
-    if model in _HOOKED:
-        return
-    _HOOKED.add(model)
-    group: list[str] = []
-    for name, module in model.named_modules():
-        if isinstance(module, torch.nn.Linear):
-            message = (
-                f"te_v2: {name or 'the model'} (an nn.Linear) ran outside the compiled function, so "
-                "in the model's dtype without te_v2 or FP8, and likely other linears too: Dynamo "
-                "broke the graph around it, or the model itself was called instead of its compiled "
-                "callable. Hugging Face gradient checkpointing (gradient_checkpointing_enable) makes "
-                "Dynamo break the graph at each checkpointed layer: turn it off to run the layers in "
-                "FP8 (docs/usage.md, Troubleshooting). explain(compiled) lists the linears te_v2 runs."
-            )
-            module.register_forward_pre_hook(EagerRunWarning(message, group))
+    """Hooks every ``nn.Linear`` of ``model`` that has no ``EagerRunWarning`` yet (a model compiled
+    again, or its copy) so that the first one to run eagerly warns, naming itself: one warning for
+    a model, whose other linears most likely run eagerly for the same reason, so the new hooks
+    join the group of those it has (a submodule compiled before)."""
+    linears = [(name, m) for name, m in model.named_modules() if type(m) is torch.nn.Linear]
+    hooked = [h for _, m in linears for h in m._forward_pre_hooks.values() if isinstance(h, EagerRunWarning)]
+    group = hooked[0].group if hooked else []
+    for name, module in linears:
+        if any(isinstance(h, EagerRunWarning) for h in module._forward_pre_hooks.values()):
+            continue
+        message = (
+            f"te_v2: {name or 'the model'} (an nn.Linear) ran outside the compiled function, so in "
+            "the model's dtype without te_v2 or FP8, and likely other linears too: Dynamo broke "
+            "the graph around it, or the model itself was called instead of its compiled callable. "
+            "Hugging Face gradient checkpointing (gradient_checkpointing_enable) makes Dynamo break "
+            "the graph at each checkpointed layer: turn it off to run the layers in FP8 "
+            "(docs/usage.md, Troubleshooting). explain(compiled) lists the linears te_v2 runs; "
+            "thunderfx(..., warn_eager_linears=False) leaves the model unhooked."
+        )
+        module.register_forward_pre_hook(EagerRunWarning(message, group))

@@ -142,19 +142,43 @@ def test_linears_dynamo_runs_eagerly_warn_through_te_v2s_thunderfx(monkeypatch, 
     torch._dynamo.reset()
 
 
+class _PrintingLinear(torch.nn.Linear):
+    """An ``nn.Linear`` subclass whose forward Dynamo breaks the graph in (``print``): Dynamo runs
+    the module's call eagerly, yet compiles its ``forward``, which te_v2 then runs."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        print("forward")
+        return super().forward(x)
+
+
+def _hooks(model: torch.nn.Module) -> list[int]:
+    return [len(m._forward_pre_hooks) for m in model.modules() if isinstance(m, torch.nn.Linear)]
+
+
 def test_a_hooked_model_compiled_again_copied_or_pickled_keeps_one_warning_hook_per_linear(monkeypatch):
-    """Compiled again, a model keeps one hook per linear; its deep copy and its pickle, run
-    eagerly, warn once, as the model does."""
+    """Compiled again, through a submodule first, or as a deep copy or a pickle of a compiled
+    model, each plain linear keeps one hook, and a model run eagerly warns once; subclasses of
+    ``nn.Linear`` and a model compiled with ``warn_eager_linears=False`` get none."""
     import pickle
 
     import te_v2_executor
     from te_v2_executor import executor, executors
 
-    model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.ReLU(), torch.nn.Linear(32, 32))
+    def compile_(m, **options):
+        return te_v2_executor.thunderfx(m, executors=executors(make_te_v2(backend="reference")), **options)
+
+    def model():
+        inner = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.ReLU())
+        return torch.nn.Sequential(inner, torch.nn.Linear(32, 32), _PrintingLinear(32, 32))
+
+    hooked = model()
+    compile_(hooked[0])
     for _ in range(2):
-        te_v2_executor.thunderfx(model, executors=executors(make_te_v2(backend="reference")))
-    assert [len(m._forward_pre_hooks) for m in model.modules() if isinstance(m, torch.nn.Linear)] == [1, 1]
-    for twin in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+        compile_(hooked)
+    assert _hooks(hooked) == [1, 1, 0]
+    for twin in (hooked, copy.deepcopy(hooked), pickle.loads(pickle.dumps(hooked))):
+        compile_(twin)
+        assert _hooks(twin) == [1, 1, 0]
         monkeypatch.setattr(executor, "_warned", set())
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -162,3 +186,48 @@ def test_a_hooked_model_compiled_again_copied_or_pickled_keeps_one_warning_hook_
             twin(torch.randn(4, 32))
         assert [w.category for w in caught] == [TEv2FallbackWarning]
         assert str(caught[0].message).startswith("te_v2: 0 (an nn.Linear) ran outside the compiled function")
+    unhooked = model()
+    compile_(unhooked, warn_eager_linears=False)
+    assert _hooks(unhooked) == [0, 0, 0]
+
+
+class _ThreeLinears(torch.nn.Module):
+    """Linear, ``_PrintingLinear``, linear: Dynamo compiles the first, breaks the graph at the
+    second's call and compiles its ``forward`` as a frame of its own, then the third in the frame
+    it resumes in. (Under ``nn.Sequential``, whose loop it cannot resume inside, it runs the first
+    and third eagerly.)"""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = torch.nn.Linear(32, 32), _PrintingLinear(32, 32), torch.nn.Linear(32, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c(self.b(self.a(x)))
+
+
+@pytest.mark.parametrize("container", ["module", "sequential"])
+def test_only_linears_dynamo_runs_eagerly_warn(monkeypatch, capsys, container):
+    """A subclass of ``nn.Linear`` whose call Dynamo runs eagerly while it compiles its
+    ``forward`` is not hooked, so no warning where te_v2 runs all three linears; in an
+    ``nn.Sequential`` the plain linears run eagerly, and the first warns."""
+    import te_v2_executor
+    from te_v2_executor import executor, executors
+
+    monkeypatch.setattr(executor, "_warned", set())
+    torch._dynamo.reset()
+    model = _ThreeLinears()
+    if container == "sequential":
+        model = torch.nn.Sequential(model.a, model.b, model.c)
+    compiled = te_v2_executor.thunderfx(model, executors=executors(make_te_v2(backend="reference")))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        compiled(torch.randn(32, 32, requires_grad=True)).sum().backward()
+    assert capsys.readouterr().out == "forward\n"
+    outside = [str(w.message) for w in caught if "ran outside the compiled function" in str(w.message)]
+    claimed = len(explain(compiled).linears)
+    if container == "module":
+        assert (outside, claimed) == ([], 3)
+    else:
+        assert [m.split(" (")[0] for m in outside] == ["te_v2: 0"]
+        assert claimed == 1
+    torch._dynamo.reset()
