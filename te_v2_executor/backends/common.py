@@ -165,3 +165,9 @@ def as_matrix(t: torch.Tensor) -> torch.Tensor:
     """``t`` as the 2-D matrix a GEMM takes, its leading dimensions flattened; a 2-D tensor as it
     is (a reshape costs host time on every call). Shared by every backend's GEMMs."""
     return t if t.dim() == 2 else t.reshape(-1, t.shape[-1])
+
+
+def record_amax(amax: torch.Tensor, t: torch.Tensor) -> None:
+    """Adds ``t``'s amax into the running max ``amax`` holds (delayed scaling's slot of the current
+    history row), as TE's cast kernels do."""
+    amax.copy_(torch.maximum(amax, t.abs().amax().float()))

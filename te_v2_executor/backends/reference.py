@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from te_v2_executor.backends.common import activation_grad, activation_input, as_matrix
+from te_v2_executor.backends.common import activation_grad, activation_input, as_matrix, record_amax
 from te_v2_executor.gathered_weights import GatheredFP8
 from te_v2_executor.recipes import RecipeSpec
 
@@ -153,12 +153,6 @@ def _cast(
     return Plane(data, 1.0 / scale, block)
 
 
-def _record_amax(state: ScalingState, index: int, t: torch.Tensor) -> None:
-    """Add ``t``'s amax into the running max of column ``index`` of the current history row."""
-    amax_slot = state.amax_history[0, index]
-    amax_slot.copy_(torch.maximum(amax_slot, t.abs().amax().float()))
-
-
 def _quantize(
     t: torch.Tensor, state: ScalingState, index: int, *, weight: bool, rowwise: bool, columnwise: bool
 ) -> ReferenceQuantizedTensor:
@@ -168,7 +162,7 @@ def _quantize(
     if recipe.per_tensor:
         whole = tuple(t.shape)
         if recipe.stateful:
-            _record_amax(state, index, t)
+            record_amax(state.amax_history[0, index], t)
             scale = state.scale[index].reshape(1, 1)
         else:
             scale = scale_from_amax(t.abs().amax().reshape(1, 1), fp8_max, recipe)
@@ -268,7 +262,7 @@ def quantize_input(
     xq = _quantize(x2d, scaling, 0, weight=False, rowwise=True, columnwise=columnwise)
     if scaling.recipe.stateful:
         for s in sharers:
-            _record_amax(s, 0, x2d)
+            record_amax(s.amax_history[0, 0], x2d)
     saved = ReferenceQuantizedTensor.wrap(None, xq.columnwise, x.device) if columnwise else None
     return ReferenceQuantizedTensor.wrap(xq.rowwise, None, x.device), saved
 
@@ -286,12 +280,15 @@ def quantize_grad_output(
 ) -> tuple[ReferenceQuantizedTensor | None, torch.Tensor | None]:
     """Quantize dy once for dgrad (row-wise) and wgrad (column-wise); bias grad alongside. With an
     activation's operands, dy is the gradient of its output and ``activation_grad`` of it is
-    quantized."""
+    quantized. Where only the bias grad is asked for, delayed scaling still records dy's amax, as
+    TE's ``bgrad_quantize`` does for ``te.Linear``."""
     dy2d = activation_grad(as_matrix(dy), gelu_input=gelu_input, swiglu_gate=swiglu_gate, swiglu_up=swiglu_up)
     dbias = dy2d.float().sum(0).to(dy.dtype) if bgrad else None
     dyq = None
     if rowwise or columnwise:
         dyq = _quantize(dy2d, scaling, 0, weight=False, rowwise=rowwise, columnwise=columnwise)
+    elif scaling.recipe.stateful:
+        record_amax(scaling.amax_history[0, 0], dy2d)
     return dyq, dbias
 
 

@@ -31,7 +31,7 @@ from transformer_engine.pytorch.tensor.storage.float8_tensor_storage import Floa
 from transformer_engine.pytorch.utils import is_non_tn_fp8_gemm_supported
 
 from te_v2_executor.backends.activation_quantize import Kind, activation_cast_transpose
-from te_v2_executor.backends.common import activation_grad, activation_input, as_matrix
+from te_v2_executor.backends.common import activation_grad, activation_input, as_matrix, record_amax
 from te_v2_executor.gathered_weights import GatheredFP8
 from te_v2_executor.recipes import RecipeSpec, Scaling
 
@@ -339,7 +339,8 @@ def quantize_grad_output(
     into the quantization where TE has that kernel. With an activation's operands (``gelu_input``;
     ``swiglu_gate``, and ``swiglu_up`` for the gate's gradient) dy is the gradient of its output,
     and the gradient of its input is quantized, computed within the quantization where the
-    recipe allows."""
+    recipe allows. Where only the bias grad is asked for, delayed scaling still records dy's amax,
+    as ``te.Linear``'s ``bgrad_quantize`` does: a weight unfrozen later finds the history warm."""
     dy2d = as_matrix(dy)
     (quantizer,) = scaling.quantizers
     if gelu_input is not None or swiglu_gate is not None:
@@ -364,6 +365,8 @@ def quantize_grad_output(
             return dy_q, None
         dy2d = activation_grad(dy2d, gelu_input=gelu_input, swiglu_gate=swiglu_gate, swiglu_up=swiglu_up)
     if not (rowwise or columnwise):
+        if scaling.recipe.stateful:
+            record_amax(quantizer.amax, dy2d)
         return None, dy2d.sum(0)
     quantizer.set_usage(rowwise=True, columnwise=columnwise)
     if bgrad and columnwise and scaling.recipe.per_tensor:

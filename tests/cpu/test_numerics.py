@@ -140,6 +140,30 @@ def test_freezing_then_unfreezing_retraces_with_right_gradients(reference_te_v2)
         assert sqnr_db(grad, g_emu[name]) > GRAD_FLOOR, name
 
 
+def test_bias_only_backwards_keep_the_dy_history_warm_for_a_weight_unfrozen_later():
+    """Under delayed scaling, a backward that needs only a linear's bias gradient (weight frozen,
+    input without grad) still records dy's amax, as ``te.Linear``'s ``bgrad_quantize`` does: when
+    the weight is unfrozen, its first wgrad quantizes dy with a scale from that history, not the
+    initial 1, which flushed gradients of 1e-6 to zero (relative error 1.0)."""
+    from te_v2_executor.state import registry_for
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(32, 32)
+    te_v2 = make_te_v2(backend="reference", recipe=delayed_scaling(amax_history_len=4), claim=CLAIM_ALL)
+    jitted = thunder.jit(model, executors=[te_v2])
+    cotangents = []
+    for step, weight_trains in enumerate([False, False, True]):
+        x = torch.randn(32, 32, generator=torch.Generator().manual_seed(step))
+        cotangents.append(torch.randn(32, 32, generator=torch.Generator().manual_seed(10 + step)) * 1e-6)
+        model.weight.requires_grad_(weight_trains)
+        jitted(x).backward(cotangents[-1])
+        (state,) = registry_for(thunder.compile_data(jitted)).states.values()
+        history = state.scaling(forward=False).amax_history
+        assert torch.equal(history.max(), torch.stack(cotangents).abs().amax()), step
+    exact = cotangents[-1].double().t() @ x.double()
+    assert (model.weight.grad.double() - exact).norm() / exact.norm() < 0.1
+
+
 def _accumulating(jitted) -> list:
     """The GEMMs of both traces that add their product into another tensor's buffer."""
     at = {LINEAR_DGRAD: 2, UNQUANTIZED_FWD: 3, UNQUANTIZED_DGRAD: 2}

@@ -183,3 +183,23 @@ def test_update_scope_matches_te_forward_state_over_micro_batches():
         torch.testing.assert_close(fwd.amax_history, te_fwd.amax_history[:, :2], rtol=0, atol=0)
         torch.testing.assert_close(fwd.scale, te_fwd.scale[:2], rtol=0, atol=0)
         assert [i for i in range(16) if bwd.amax_history[i].any()] == [15]  # one backward update
+
+
+def test_bias_only_backwards_record_dy_amaxes_like_te_linear():
+    """The first linear's weight frozen and the input without grad, its backward computes only the
+    bias gradient: it still records dy's amax, as te.Linear's ``bgrad_quantize`` does, so the
+    states are te.Linear's, and after the weight is unfrozen the two train alike."""
+    recipe = delayed_recipe()
+    model = Model(torch_linear)
+    te_model = copy_weights(Model(te_linear), model)
+    xs = [torch.randn(TOKENS, DIM, device="cuda", dtype=DTYPE) for _ in range(STEPS)]
+    jitted = jit_te_v2(model)
+    for frozen, steps in ((True, xs[:3]), (False, xs[3:6])):
+        for m in (model, te_model):
+            m.head.linears[0].weight.requires_grad_(not frozen)
+        losses = _train(jitted, model, steps, recipe)
+        te_losses = _train(te_model, te_model, steps, recipe)
+        _assert_states_equal(te_v2_states(jitted), _te_states(te_model))
+        torch.testing.assert_close(losses, te_losses, **FP8_TOLS)
+    for (name, p), q in zip(model.named_parameters(), te_model.parameters(), strict=True):
+        torch.testing.assert_close(p, q, **FP8_TOLS, msg=name)
