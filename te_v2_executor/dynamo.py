@@ -95,10 +95,12 @@ def _warn_where_linears_run_eagerly(model: torch.nn.Module) -> None:
     a model, whose other linears most likely run eagerly for the same reason, so the new hooks
     join the group of those it has (a submodule compiled before)."""
     linears = [(name, m) for name, m in model.named_modules() if type(m) is torch.nn.Linear]
-    hooked = [h for _, m in linears for h in m._forward_pre_hooks.values() if isinstance(h, EagerRunWarning)]
-    group = hooked[0].group if hooked else []
+    hooked = {
+        m: h for _, m in linears for h in m._forward_pre_hooks.values() if isinstance(h, EagerRunWarning)
+    }
+    group = next(iter(hooked.values())).group if hooked else []
     for name, module in linears:
-        if any(isinstance(h, EagerRunWarning) for h in module._forward_pre_hooks.values()):
+        if module in hooked:
             continue
         message = (
             f"te_v2: {name or 'the model'} (an nn.Linear) ran outside the compiled function, so in "
