@@ -12,7 +12,8 @@ read when the storage is written in between. ``Writes`` answers that question fo
 does when a tensor it saved is written in place after the save.
 
 Storage is over-approximated: every op that may return a view (Thunder's own list, and each
-prim-level view) is taken to alias its first input. A pass then refuses a fold it could have
+prim-level view) is taken to alias its first input, and a composite whose decomposition returns
+an input or a view of it (``F.dropout(x, p=0.0)``) to alias that input. A pass then refuses a fold it could have
 made; it never makes one it should not.
 """
 
@@ -148,6 +149,22 @@ def _aliased_pairs(bsym: BoundSymbol) -> Iterator[tuple[TensorProxy, TensorProxy
         args = _tensors(bsym.flat_args)
         if args:
             yield from ((o, args[0]) for o in outs)
+    elif bsym.subsymbols:
+        yield from _returned_inputs(bsym)
+
+
+def _returned_inputs(bsym: BoundSymbol) -> Iterator[tuple[TensorProxy, TensorProxy]]:
+    """(output, input) pairs of a composite whose decomposition returns an input or a view of it:
+    ``F.dropout(x, p=0.0)`` decomposes into ``shallow_copy(x)``, and PyTorch returns ``x`` itself."""
+    parent: dict[str, str] = {}
+    for sub in bsym.subsymbols:
+        for out, arg in _aliased_pairs(sub):
+            if out.name != arg.name:
+                parent[out.name] = parent.get(arg.name, arg.name)
+    inputs = {t.name: t for t in _tensors(bsym.flat_args)}
+    for out in _tensors(bsym.flat_outs):
+        if (source := inputs.get(parent.get(out.name, ""))) is not None:
+            yield out, source
 
 
 def _same_dtype_cast(bsym: BoundSymbol) -> bool:
@@ -175,13 +192,15 @@ class Writes:
         self._position = {id(b): i for i, b in enumerate(self.bound_symbols)}
         self._defined: dict[str, int] = {}
         self._parent: dict[str, str] = {}
+        self._pairs: list[list[tuple[TensorProxy, TensorProxy]]] = []
         inputs = {t.name for t in _tensors(tree_flatten((trace.args, trace.kwargs))[0])}
         for i, bsym in enumerate(self.bound_symbols):
             if bsym.sym.name.startswith("unpack"):
                 inputs.update(t.name for t in _tensors(bsym.flat_outs))
             for out in _tensors(bsym.flat_outs):
                 self._defined.setdefault(out.name, i)
-            for out, arg in _aliased_pairs(bsym):
+            self._pairs.append(list(_aliased_pairs(bsym)))
+            for out, arg in self._pairs[-1]:
                 self._union(out.name, arg.name)
         self._input_roots = {self._root(name) for name in inputs}
         self._writes: dict[str, list[int]] = {}
@@ -241,8 +260,8 @@ class Writes:
         """The names of the tensors that carry ``bsym``'s outputs on: the outputs, and what views,
         renames (``update_aliases``) and writes into them make of them after it."""
         names = {t.name for t in _tensors(bsym.flat_outs)}
-        for later in self.bound_symbols[self.position(bsym) + 1 :]:
-            names.update(out.name for out, arg in _aliased_pairs(later) if arg.name in names)
+        for pairs in self._pairs[self.position(bsym) + 1 :]:
+            names.update(out.name for out, arg in pairs if arg.name in names)
         return names
 
     def ever_written(self, p: Any) -> bool:

@@ -15,7 +15,7 @@ from thunder.executors.torch_compile import torch_compile_ex
 from torch import nn
 
 from te_v2_executor import ClaimPolicy, TEv2FallbackWarning, current_scaling, explain, make_te_v2
-from te_v2_executor.passes._writes import written_tensor
+from te_v2_executor.passes._writes import Writes, written_tensor
 from te_v2_executor.symbols import UNQUANTIZED_FWD, arg
 from tests.helpers import CLAIM_ALL, assert_like_eager, bsyms_of, forward_trace
 from tests.models import (
@@ -292,6 +292,39 @@ def test_a_region_input_written_through_a_view_is_returned_written():
     assert_like_eager(
         model, torch.randn(4, 16), [make_te_v2(backend="reference")], grad=False, jit=thunderfx, **TOLS
     )
+
+
+@pytest.mark.parametrize("training", [True, False], ids=["p=0", "eval"])
+def test_a_write_through_a_dropout_that_returns_its_input_reaches_the_input(training):
+    """``F.dropout(x, p=0.0)`` and a dropout outside training return ``x`` itself, so the write
+    doubles ``x``; taken for a fresh tensor that nothing reads, it was dropped as dead, silently
+    (fuzz seed 20261207, program 117)."""
+    te_v2 = make_te_v2(backend="reference", recipe=current_scaling(), claim=ClaimPolicy(min_features=512))
+
+    def write_through_a_dropout(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        v = nn.functional.dropout(x, p=0.0 if training else 0.5, training=training)
+        y = nn.functional.linear(x, w)
+        v.mul_(2.0)
+        return y
+
+    x, w = torch.randn(16, 64), torch.randn(32, 64)
+    expected_x, actual_x = x.clone(), x.clone()
+    expected = write_through_a_dropout(expected_x, w)
+    torch.testing.assert_close(
+        thunder.jit(write_through_a_dropout, executors=[te_v2])(actual_x, w), expected, **TOLS
+    )
+    torch.testing.assert_close(actual_x, expected_x, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(("p", "aliases"), [(0.0, True), (0.5, False)])
+def test_only_a_dropout_that_returns_its_input_shares_its_storage(p, aliases):
+    """A dropout that masks makes a new tensor: taking it for a view would refuse folds for
+    nothing."""
+    jitted = thunder.jit(lambda x: nn.functional.dropout(x, p=p) * 1.0)
+    jitted(torch.randn(4, 4))
+    trace = thunder.last_traces(jitted)[0]
+    dropout = next(b for b in trace.bound_symbols if b.sym.name == "dropout")
+    assert Writes(trace).same_storage(dropout.output, dropout.args[0]) is aliases
 
 
 class _WriteThroughAViewThenThroughTheTensor(nn.Module):
