@@ -19,17 +19,21 @@ fold it could have made; it never makes one it should not.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import thunder.torch as ltorch
+import torch
 from thunder.core import dtypes, prims
 from thunder.core.proxies import TensorProxy
 from thunder.core.pytree import tree_flatten
-from thunder.core.symbol import BoundSymbol
+from thunder.core.symbol import BoundSymbol, Symbol
 from thunder.core.trace import TraceCtx
 from thunder.executors import torchex
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._pytree import tree_flatten as torch_tree_flatten
+from torch.utils._pytree import tree_map as torch_tree_map
 
 from te_v2_executor.symbols import ACCUMULATE_ARG, ORDERED, SHARES_STORAGE
 
@@ -149,8 +153,51 @@ def _aliased_pairs(bsym: BoundSymbol) -> Iterator[tuple[TensorProxy, TensorProxy
         args = _tensors(bsym.flat_args)
         if args:
             yield from ((o, args[0]) for o in outs)
+    elif (torch_function := _AUTO_REGISTERED.get(bsym.sym.id)) is not None:
+        yield from _torch_aliases(bsym, torch_function)
     elif bsym.subsymbols:
         yield from _returned_inputs(bsym)
+
+
+def _auto_registered() -> dict[str, Callable[..., Any]]:
+    """PyTorch's function for each op Thunder registered automatically, by the ids of its symbol
+    and of the torch executor's symbol that runs it."""
+    found = {}
+    for sym in ltorch._torch_to_thunder_function_map.values():
+        if not isinstance(sym, Symbol) or prims.OpTags.AUTO_REGISTERED not in (sym.tags or ()):
+            continue
+        if (function := getattr(sym.meta, "__torchfn", None)) is not None:
+            found[sym.id] = function
+            if (impl := torchex.ex.implmap.get(sym.id)) is not None and impl.symbol is not None:
+                found[impl.symbol.id] = function
+    return found
+
+
+_AUTO_REGISTERED = _auto_registered()
+
+
+def _torch_aliases(
+    bsym: BoundSymbol, torch_function: Callable[..., Any]
+) -> Iterator[tuple[TensorProxy, TensorProxy]]:
+    """(output, input) pairs of an op Thunder registered automatically, which runs PyTorch's own
+    function: ``torch.positive(x)`` returns ``x``, ``torch.adjoint(x)`` a view of it. Told by
+    running the function on fake tensors; every pair where that cannot run."""
+    outs, args = _tensors(bsym.flat_outs), _tensors(bsym.flat_args)
+    try:
+        with FakeTensorMode():
+            fake_args, fake_kwargs = torch_tree_map(ltorch._get_fake_arg, (bsym.args, bsym.kwargs))
+            fake_outs = torch_function(*fake_args, **fake_kwargs)
+    except Exception:
+        yield from ((o, a) for o in outs for a in args)
+        return
+    storages = [_storage(t) for t in torch_tree_flatten(fake_args)[0] if isinstance(t, torch.Tensor)]
+    fake_outs = [t for t in torch_tree_flatten(fake_outs)[0] if isinstance(t, torch.Tensor)]
+    for out, fake in zip(outs, fake_outs, strict=False):
+        yield from ((out, a) for a, storage in zip(args, storages, strict=False) if _storage(fake) == storage)
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
 
 
 def _returned_inputs(bsym: BoundSymbol) -> Iterator[tuple[TensorProxy, TensorProxy]]:

@@ -294,37 +294,57 @@ def test_a_region_input_written_through_a_view_is_returned_written():
     )
 
 
-@pytest.mark.parametrize("training", [True, False], ids=["p=0", "eval"])
-def test_a_write_through_a_dropout_that_returns_its_input_reaches_the_input(training):
-    """``F.dropout(x, p=0.0)`` and a dropout outside training return ``x`` itself, so the write
-    doubles ``x``; taken for a fresh tensor that nothing reads, it was dropped as dead, silently
-    (fuzz seed 20261207, program 117)."""
+# Ops that return their input itself: Thunder's dropout decomposes into ``shallow_copy``; PyTorch
+# runs ``alpha_dropout`` and ``positive``, which Thunder registered automatically.
+RETURN_THEIR_INPUT = {
+    "dropout p=0": lambda x: nn.functional.dropout(x, p=0.0),
+    "dropout eval": lambda x: nn.functional.dropout(x, p=0.5, training=False),
+    "alpha_dropout p=0": lambda x: nn.functional.alpha_dropout(x, p=0.0),
+    "positive": torch.positive,
+    "adjoint": torch.adjoint,
+}
+
+
+@pytest.mark.parametrize("op", RETURN_THEIR_INPUT.values(), ids=RETURN_THEIR_INPUT.keys())
+def test_a_write_through_an_op_that_returns_its_input_reaches_the_input(op):
+    """``F.dropout(x, p=0.0)`` returns ``x`` itself, so the write doubles ``x``; taken for a fresh
+    tensor that nothing reads, it was dropped as dead, silently (fuzz seed 20261207, program
+    117)."""
     te_v2 = make_te_v2(backend="reference", recipe=current_scaling(), claim=ClaimPolicy(min_features=512))
 
-    def write_through_a_dropout(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        v = nn.functional.dropout(x, p=0.0 if training else 0.5, training=training)
+    def write_through(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        v = op(x)
         y = nn.functional.linear(x, w)
         v.mul_(2.0)
         return y
 
-    x, w = torch.randn(16, 64), torch.randn(32, 64)
+    x, w = torch.randn(64, 64), torch.randn(32, 64)
     expected_x, actual_x = x.clone(), x.clone()
-    expected = write_through_a_dropout(expected_x, w)
-    torch.testing.assert_close(
-        thunder.jit(write_through_a_dropout, executors=[te_v2])(actual_x, w), expected, **TOLS
-    )
+    expected = write_through(expected_x, w)
+    torch.testing.assert_close(thunder.jit(write_through, executors=[te_v2])(actual_x, w), expected, **TOLS)
     torch.testing.assert_close(actual_x, expected_x, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize(("p", "aliases"), [(0.0, True), (0.5, False)])
-def test_only_a_dropout_that_returns_its_input_shares_its_storage(p, aliases):
-    """A dropout that masks makes a new tensor: taking it for a view would refuse folds for
-    nothing."""
-    jitted = thunder.jit(lambda x: nn.functional.dropout(x, p=p) * 1.0)
+NEW_TENSORS = {
+    "dropout p=0.5": lambda x: nn.functional.dropout(x, p=0.5),
+    "absolute": torch.absolute,
+    "alpha_dropout p=0.5": lambda x: nn.functional.alpha_dropout(x, p=0.5, training=True),
+}
+
+
+@pytest.mark.parametrize(
+    ("op", "aliases"),
+    [*((op, True) for op in RETURN_THEIR_INPUT.values()), *((op, False) for op in NEW_TENSORS.values())],
+    ids=[*RETURN_THEIR_INPUT, *NEW_TENSORS],
+)
+def test_only_an_op_that_returns_its_input_shares_its_storage(op, aliases):
+    """An op that makes a new tensor does not share its input's storage: taking it for a view
+    would refuse folds for nothing."""
+    jitted = thunder.jit(lambda x: op(x) * 1.0)
     jitted(torch.randn(4, 4))
     trace = thunder.last_traces(jitted)[0]
-    dropout = next(b for b in trace.bound_symbols if b.sym.name == "dropout")
-    assert Writes(trace).same_storage(dropout.output, dropout.args[0]) is aliases
+    made = next(b for b in trace.bound_symbols if b.sym.name not in ("unpack_trivial", "mul"))
+    assert Writes(trace).same_storage(made.output, made.args[0]) is aliases
 
 
 class _WriteThroughAViewThenThroughTheTensor(nn.Module):

@@ -35,7 +35,15 @@ MIN_FEATURES_WEIGHTS = (1, 1, 3, 4)
 SCALES = (0.5, 2.0, 0.3, -1.5)
 IN_PLACE_FACTORS = (2.0, 0.5, -1.0)
 IN_PLACE_KINDS = ("mul_", "add_", "copy_")
-VIEWS = ("reshape", "view", "transpose", "t")
+# Ops that return their input itself (a write through the result is a write into the input), by
+# kind: Thunder decomposes the first two into a ``shallow_copy``; PyTorch runs ``positive``, which
+# Thunder registered automatically.
+ALIASES = {
+    "dropout_p0": "{out} = F.dropout({0}, p=0.0)",
+    "contiguous": "{out} = {0}.contiguous()",
+    "positive": "{out} = torch.positive({0})",
+}
+VIEWS = ("reshape", "view", "transpose", "t", *ALIASES)
 DTYPE_NAMES = {"float32": "torch.float32", "bfloat16": "torch.bfloat16", "float64": "torch.float64"}
 
 
@@ -353,6 +361,7 @@ class Weights:
     relu: float = 0.3
     cast: float = 0.8
     view: float = 1.0
+    alias: float = 0.5  # an op that returns its input itself (``ALIASES``)
     checkpoint: float = 0.7
     no_grad: float = 0.4
     # In-place ops per program: 0, 1, 2, 3.
@@ -656,6 +665,15 @@ class _Builder:
         self._emit(Op("view", f"{{out}} = {{0}}.view({s}, {rows // s}, {cols})", (v,), out))
         return True
 
+    def alias(self) -> bool:
+        v = self._pick()
+        if v is None:
+            return False
+        kind = self.rng.choice(sorted(ALIASES))
+        out = self._value(self.meta[v])
+        self._emit(Op(kind, ALIASES[kind], (v,), out))
+        return True
+
     def checkpoint(self) -> bool:
         """A region of 1 to 3 ops under ``checkpoint(..., use_reentrant=False)``, as a method."""
         v = self._pick(lambda n, m: m.dtype == "float32")
@@ -774,7 +792,8 @@ class _Builder:
             "view",
             "checkpoint",
             "no_grad",
-            "swiglu",  # last: with its weight 0, seeds make the programs they made before it
+            "swiglu",
+            "alias",  # last: with the weights of the kinds after swiglu 0, seeds make the programs they made before them
         ]
         weights = [getattr(w, k) for k in kinds]
         target = self.rng.randint(3, 12)
