@@ -106,6 +106,30 @@ def _in_place_name(name: str) -> bool:
     return name.endswith("_")
 
 
+def _inplace_flags() -> dict[str, int]:
+    """The position of the ``inplace`` argument of each op that takes one (``F.silu(x,
+    inplace=True)``), by the names its symbols run under."""
+    return {
+        name: at
+        for sym, (_, at) in ltorch._inplace_to_out_of_place.items()
+        if at >= 0
+        for name in names_as_run([sym])
+    }
+
+
+_INPLACE_FLAGS = _inplace_flags()
+
+
+def _written_as_flagged(bsym: BoundSymbol) -> bool:
+    """Whether ``bsym`` is an op called with ``inplace=True``, which Thunder traces as the op
+    itself (no ``copy_``) and PyTorch runs in place."""
+    at = _INPLACE_FLAGS.get(bsym.sym.name)
+    if at is None:
+        return False
+    flag = bsym.args[at] if len(bsym.args) > at else bsym.kwargs.get("inplace", False)
+    return flag is True
+
+
 def written_tensor(bsym: BoundSymbol) -> TensorProxy | None:
     """The existing tensor ``bsym`` writes into, or None: ``copy_``'s destination, an in-place op's
     first tensor argument, a te_v2 GEMM's ``accumulate_into``. ``prims.copy_(src, dst)`` writes its
@@ -125,7 +149,7 @@ def written_tensor(bsym: BoundSymbol) -> TensorProxy | None:
     if bsym.sym.name == "copy_":  # an executor's prims.copy_, in the prim's order
         return bsym.args[1]
     tags = bsym.sym.tags or ()
-    if prims.OpTags.IN_PLACE in tags or _in_place_name(bsym.sym.name):
+    if prims.OpTags.IN_PLACE in tags or _in_place_name(bsym.sym.name) or _written_as_flagged(bsym):
         args = _tensors(bsym.flat_args)
         return args[0] if args else None
     return None

@@ -96,6 +96,49 @@ def test_a_backward_reading_a_tensor_written_after_it_was_saved_raises_as_eager_
     assert all(p.grad is None for p in model.parameters())
 
 
+class _ActivationInPlace(nn.Module):
+    """A linear, an activation of its output in place (``inplace=True``), a linear."""
+
+    def __init__(self, activation: str) -> None:
+        super().__init__()
+        self.activation = activation
+        self.a, self.b = nn.Linear(16, 32), nn.Linear(32, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(getattr(nn.functional, self.activation)(self.a(x), inplace=True))
+
+
+@pytest.mark.parametrize("activation", ["silu", "elu"])
+def test_an_activation_in_place_whose_backward_reads_its_input_refuses_the_backward(activation):
+    """Thunder traces ``F.silu(h, inplace=True)`` as the op itself, with no write, and its backward
+    reads h, which then holds silu(h): a.weight's gradient came out wrong, no error, with or
+    without te_v2 (eager's is right). The write is now seen, so te_v2 refuses that backward, as it
+    did where Thunder traces the write as a ``copy_`` (ELU)."""
+    model, x = _ActivationInPlace(activation), torch.randn(4, 16)
+    model(x).square().sum().backward()
+    expected = model.a.weight.grad.clone()
+    model.zero_grad(set_to_none=True)
+    thunder.jit(model)(x).square().sum().backward()
+    assert not torch.allclose(model.a.weight.grad, expected, **TOLS)  # Thunder alone: silently wrong
+    model.zero_grad(set_to_none=True)
+    y = thunder.jit(model, executors=[make_te_v2(backend="reference")])(x)
+    torch.testing.assert_close(y, model(x), **TOLS)  # the forward runs, as eager's does
+    with pytest.raises(RuntimeError, match=r"te_v2: tensor t\d+ .* modified by an in-place operation"):
+        y.square().sum().backward()
+
+
+@pytest.mark.parametrize("activation", ["relu", "hardtanh", "leaky_relu"])
+def test_an_activation_in_place_whose_backward_reads_what_the_write_keeps_trains_as_eager(activation):
+    """ReLU's backward reads only where its input was positive, which the write keeps."""
+    assert_like_eager(
+        _ActivationInPlace(activation),
+        torch.randn(4, 16),
+        [make_te_v2(backend="reference")],
+        grad=True,
+        **TOLS,
+    )
+
+
 def test_an_fp8_linear_saves_its_own_copy_so_a_later_write_is_harmless():
     """In FP8, b's wgrad reads the transposed FP8 copy its forward saved, not h: nothing to refuse."""
     model, x = SavedThenWritten(), torch.randn(32, 64)
