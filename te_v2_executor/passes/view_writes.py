@@ -118,15 +118,19 @@ def order_stale_reads(trace: TraceCtx) -> TraceCtx:
 
 def _differentiable_storage(trace: TraceCtx, writes: Writes) -> set[str]:
     """The storage roots of the forward's tensors that may carry a gradient: those that read an
-    input which requires one, through any op (a comparison's included: an over-approximation)."""
+    input which requires one, through any op (a comparison's included: an over-approximation)
+    but a write under ``torch.no_grad()``, which gives its target no gradient (a buffer updated
+    from the activations, as a running statistic is)."""
     inputs = [t for t in tree_flatten((trace.args, trace.kwargs))[0] if isinstance(t, TensorProxy)]
     marked = {writes.root(t) for t in inputs if t.requires_grad}
     for bsym in trace.bound_symbols:
         tensor_outs = [t for t in bsym.flat_proxy_outs if isinstance(t, TensorProxy)]
         if bsym.sym.name.startswith("unpack"):
             marked.update(writes.root(t) for t in tensor_outs if t.requires_grad)
-        elif not in_backward(bsym) and any(
-            writes.root(a) in marked for a in bsym.flat_proxy_args if isinstance(a, TensorProxy)
+        elif (
+            not in_backward(bsym)
+            and not (written_tensor(bsym) is not None and bsym.kwargs.get("grad_enabled") is False)
+            and any(writes.root(a) in marked for a in bsym.flat_proxy_args if isinstance(a, TensorProxy))
         ):
             marked.update(writes.root(t) for t in tensor_outs)
     return marked

@@ -262,6 +262,34 @@ def test_a_read_after_a_whole_tensor_write_under_no_grad_refuses_the_backward(cl
     )
 
 
+class _BufferUpdatedUnderNoGrad(nn.Module):
+    """A buffer written from the activations under ``torch.no_grad()``, as a running statistic
+    is, then read beside them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(16, 16)
+        self.register_buffer("mean", torch.zeros(16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            self.mean.copy_(x.mean(0))
+        return self.a(x + self.mean)
+
+
+def test_a_buffer_without_gradient_written_under_no_grad_trains_as_eager():
+    """The write gives the buffer no gradient, in eager mode as in Thunder: it was refused as one
+    that Thunder differentiates as a tensor without gradient where eager would not (found by an
+    adversarial helper)."""
+    assert_like_eager(
+        _BufferUpdatedUnderNoGrad(),
+        torch.randn(4, 16, requires_grad=True),
+        [make_te_v2(backend="reference")],
+        grad=True,
+        **TOLS,
+    )
+
+
 def _assert_backward_refused(way: str, claim: ClaimPolicy, match: str) -> None:
     """``WrittenThroughAnotherName(way)`` under te_v2: the forward runs (with eager's values where
     nothing is quantized), its backward raises an error matching ``match``, and no gradient is
