@@ -27,11 +27,15 @@ from tests.fuzz.programs import FUSINGS, Weights, generate
 # 229bf63 (before write_order) program 0 of seed 5 fails at about 20 s: a write fused into a
 # region went before the te_v2 GEMM that read its tensor first. Its 12 programs take about a
 # minute: torch.compile compiles each.
-# "none" makes the programs it made before the fuzzer drew SiLUs and SwiGLUs (weight 0); the others
-# draw them. With them, seed 5's torch.compile program 0 failed before ``dead_writes``
-# (aac9ff2): a dead in-place write into a linear's output.
+# Weights with which the generator makes the programs it made before it drew ops that return their
+# input (``ALIASES``): the programs the tests below name by seed and index.
+BEFORE_ALIASES = Weights(alias=0.0)
+
+# "none" makes the programs it made before the fuzzer drew SiLUs and SwiGLUs, and ops that return
+# their input (weight 0); the others draw them. With them, seed 5's torch.compile program 0 failed
+# before ``dead_writes`` (aac9ff2): a dead in-place write into a linear's output.
 CAMPAIGNS = {
-    "none": ("none", 0, 72, Weights(swiglu=0.0)),
+    "none": ("none", 0, 72, Weights(swiglu=0.0, alias=0.0)),
     "torch.compile": ("torch.compile", 5, 12, Weights()),
     "none, SwiGLUs": ("none", 2040, 40, Weights()),
 }
@@ -64,7 +68,7 @@ def test_the_graphs_check_finds_a_replay_that_differs(monkeypatch):
     """``--graphs`` holds te_v2 under CUDA graphs (taped) to te_v2 without them: a program whose
     forward doubles its input twice before a linear passes, and fails where the warm-up calls
     before a capture leave their amaxes in the scaling state (as before 5965a14)."""
-    program = generate(1205, 43)
+    program = generate(1205, 43, BEFORE_ALIASES)
     assert check(program, graphs=True).status == "ok"
     monkeypatch.setattr(
         te_v2_executor.cuda_graphs, "current_amaxes_kept", lambda states: contextlib.nullcontext()
@@ -78,7 +82,7 @@ def test_thunders_own_gradient_rounding_is_not_held_to_bitwise():
     computes the GELU's gradient from its decomposition, not with ATen's kernel, so te_v2 and the
     emulation differ by 1.2e-7 there (fuzz --seed 1207 program 28, failed as bitwise before
     ``THUNDER_ROUNDED``)."""
-    program = generate(1207, 28)
+    program = generate(1207, 28, BEFORE_ALIASES)
     assert any("gelu_tanh" in op.kinds for op in program.ops)
     assert check(program).status == "ok"
 
