@@ -35,7 +35,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_flatten as torch_tree_flatten
 from torch.utils._pytree import tree_map as torch_tree_map
 
-from te_v2_executor.symbols import ACCUMULATE_ARG, ORDERED, SHARES_STORAGE
+from te_v2_executor.symbols import ACCUMULATE_ARG, ORDERED, SHARES_STORAGE, in_backward
 
 _VIEW_OPS = {
     "reshape",
@@ -81,6 +81,13 @@ _VIEW_NAMES = frozenset(
     | names_as_run(s for module in (prims, ltorch) for n in _VIEW_OPS if (s := getattr(module, n, None)))
     | _VIEW_OPS
 ) - {"to", "convert_element_type"}
+# Ops whose derivative reads none of the values of the tensors they take: a read by one does not
+# make the backward read the tensor.
+_VALUE_FREE_DERIVATIVES = frozenset(
+    names_as_run([ltorch.add, ltorch.sub, ltorch.neg, ltorch.clone, ltorch.to, prims.convert_element_type])
+    | {"copy_"}
+    | _VIEW_NAMES
+)
 # Reads of a proxy that do not read its values: a cotangent placeholder, the renaming of a
 # written tensor's aliases, the trace's return, te_v2's ordering of a write and its check of
 # where two names' storage lies.
@@ -264,6 +271,7 @@ class Writes:
         self._defined: dict[str, int] = {}
         self._parent: dict[str, str] = {}
         self._pairs: list[list[tuple[TensorProxy, TensorProxy]]] = []
+        self._over_input: set[str] = set()
         inputs = {t.name for t in _tensors(tree_flatten((trace.args, trace.kwargs))[0])}
         for i, bsym in enumerate(self.bound_symbols):
             if bsym.sym.name.startswith("unpack"):
@@ -273,6 +281,8 @@ class Writes:
             self._pairs.append(list(_aliased_pairs(bsym)))
             for out, arg in self._pairs[-1]:
                 self._union(out.name, arg.name)
+            if written_tensor(bsym) is None and bsym.sym.name != "update_aliases":
+                self._over_input.update(out.name for out, _ in self._pairs[-1])
         self._input_roots = {self._root(name) for name in inputs}
         self._writes: dict[str, list[int]] = {}
         for i, bsym in enumerate(self.bound_symbols):
@@ -378,6 +388,38 @@ class Writes:
             for p in _tensors(bsym.flat_args):
                 if later := self.written_since_made(p, j):
                     yield StaleRead(bsym, p, self.bound_symbols[later[0]])
+
+    def stale_backward_reads(self) -> Iterator[StaleRead]:
+        """The backward's reads of a tensor after a write into its storage that came after the
+        forward took the values the backward needs of it (``_taken``): those read values the
+        forward did not."""
+        for stale in self.stale_reads():
+            if not in_backward(stale.reader):
+                continue
+            taken, at = self._taken(stale.tensor), self.position(stale.reader)
+            if later := [k for k in self.written_since_made(stale.tensor, at) if k >= taken]:
+                yield StaleRead(stale.reader, stale.tensor, self.bound_symbols[later[0]])
+
+    def _taken(self, p: TensorProxy) -> int:
+        """Where the forward took the values of ``p`` that the backward may read: where ``p`` was
+        made, or, for an op's result over its input's storage (a view, ``F.dropout(x, p=0.0)``),
+        whose backward reads none of its values, at the forward's first read of ``p`` whose
+        derivative does. Thunder renames only the views it knows of after a write, so the
+        forward reads the others after it under their old names (``v = F.dropout(x, p=0.0);
+        x.add_(v); linear(v)``), and their backward reads what those reads read."""
+        made = self._defined.get(p.name, -1)
+        if p.name not in self._over_input:
+            return made
+        for i in range(made + 1, len(self.bound_symbols)):
+            bsym = self.bound_symbols[i]
+            if (
+                not in_backward(bsym)
+                and reads_values(bsym)
+                and bsym.sym.name not in _VALUE_FREE_DERIVATIVES
+                and any(a.name == p.name for a in _tensors(bsym.flat_args))
+            ):
+                return i
+        return len(self.bound_symbols)
 
 
 def _where(bsym: BoundSymbol) -> str:

@@ -15,7 +15,7 @@ from thunder.core.trace import TraceCtx, tracectx
 from te_v2_executor.passes._trace import before_return, returned_grads, spliced, with_bound_symbols
 from te_v2_executor.passes._writes import Writes, describe, written_tensor
 from te_v2_executor.passes.view_writes import bypassed_writes, no_grad_writes_read
-from te_v2_executor.symbols import REFUSE_BACKWARD, SHARES_STORAGE, in_backward
+from te_v2_executor.symbols import REFUSE_BACKWARD, SHARES_STORAGE
 
 _BYPASSED_WRITE = (
     "te_v2: {tensor} is read by {reader} after {writer} wrote into its storage through another "
@@ -49,7 +49,7 @@ def refuse_stale_reads(trace: TraceCtx) -> TraceCtx:
         return trace
     writes = Writes(trace)
     refusals = itertools.chain(
-        (describe(writes, s) for s in writes.stale_reads() if in_backward(s.reader)),
+        (describe(writes, s) for s in writes.stale_backward_reads()),
         (describe(writes, cut, _NO_GRAD_WRITE) for cut in no_grad_writes_read(trace)),
     )
     if message := next(refusals, None):
