@@ -31,7 +31,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from thunder.core import utils
-from thunder.core.proxies import TensorProxy, variableify
+from thunder.core.proxies import ProxyTag, TensorProxy, variableify
 from thunder.core.pytree import tree_flatten, tree_map
 from thunder.core.symbol import BoundSymbol
 from thunder.core.trace import TraceCtx
@@ -116,11 +116,20 @@ def order_stale_reads(trace: TraceCtx) -> TraceCtx:
     return replaced(trace, swapped, inserted=inserted)
 
 
+def _detached(bsym: BoundSymbol) -> bool:
+    """Whether Thunder differentiates nothing through ``bsym``: it ran under ``torch.no_grad()``,
+    which tags its results, and Thunder's autodiff takes a symbol with such a result for a
+    constant."""
+    return any(
+        ProxyTag.DETACHED_AUTOGRAD_GRAPH in t.tags for t in bsym.flat_proxy_outs if isinstance(t, TensorProxy)
+    )
+
+
 def _differentiable_storage(trace: TraceCtx, writes: Writes) -> set[str]:
     """The storage roots of the forward's tensors that may carry a gradient: those that read an
     input which requires one, through any op (a comparison's included: an over-approximation)
-    but a write under ``torch.no_grad()``, which gives its target no gradient (a buffer updated
-    from the activations, as a running statistic is)."""
+    but one under ``torch.no_grad()``: a write there gives its target no gradient (a buffer
+    updated from the activations, as a running statistic is), and any other op's result none."""
     inputs = [t for t in tree_flatten((trace.args, trace.kwargs))[0] if isinstance(t, TensorProxy)]
     marked = {writes.root(t) for t in inputs if t.requires_grad}
     for bsym in trace.bound_symbols:
@@ -129,6 +138,7 @@ def _differentiable_storage(trace: TraceCtx, writes: Writes) -> set[str]:
             marked.update(writes.root(t) for t in tensor_outs if t.requires_grad)
         elif (
             not in_backward(bsym)
+            and not _detached(bsym)
             and not (written_tensor(bsym) is not None and bsym.kwargs.get("grad_enabled") is False)
             and any(writes.root(a) in marked for a in bsym.flat_proxy_args if isinstance(a, TensorProxy))
         ):
@@ -200,6 +210,7 @@ def _reads_by_storage(
             in_backward(reader)
             or id(reader) not in used
             or reader.sym.name in _NOT_DIFFERENTIABLE
+            or _detached(reader)
             or not (reads_values(reader) or reader is ret)
         ):
             continue

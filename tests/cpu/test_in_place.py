@@ -290,6 +290,43 @@ def test_a_buffer_without_gradient_written_under_no_grad_trains_as_eager():
     )
 
 
+class _WriteAroundNoGrad(nn.Module):
+    """A write that Thunder differentiates as if it had not happened, around an op under
+    ``torch.no_grad()``: read under no_grad through a view of the written tensor ("read"), or
+    into a tensor made under no_grad, read by a frozen linear and returned ("made")."""
+
+    def __init__(self, way: str) -> None:
+        super().__init__()
+        self.way = way
+        self.a, self.b = nn.Linear(64, 64, bias=False), nn.Linear(64, 16, bias=False)
+        self.c = nn.Linear(64, 64, bias=False).requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        h = self.a(x)
+        if self.way == "read":
+            v = h.view(4, 8, 64)
+            h.mul_(-1.0)
+            with torch.no_grad():
+                u = self.a(v)
+            return (self.b(u),)
+        with torch.no_grad():
+            u = self.a(h)
+        v = nn.functional.dropout(u, p=0.0)
+        y = self.b(self.c(v))
+        v.mul_(-1.0)
+        return y, u
+
+
+@pytest.mark.parametrize("way", ["read", "made"])
+def test_a_write_around_an_op_under_no_grad_carries_no_gradient_and_trains_as_eager(way):
+    """No gradient flows through what runs under no_grad, so Thunder differentiating the write as
+    if it had not happened changes nothing: both were refused (fuzz seeds 20261209 program 25,
+    20261208 program 138)."""
+    assert_like_eager(
+        _WriteAroundNoGrad(way), torch.randn(32, 64), [make_te_v2(backend="reference")], grad=True, **TOLS
+    )
+
+
 def _assert_backward_refused(way: str, claim: ClaimPolicy, match: str) -> None:
     """``WrittenThroughAnotherName(way)`` under te_v2: the forward runs (with eager's values where
     nothing is quantized), its backward raises an error matching ``match``, and no gradient is
