@@ -13,8 +13,9 @@ does when a tensor it saved is written in place after the save.
 
 Storage is over-approximated: every op that may return a view (Thunder's own list, and each
 prim-level view) is taken to alias its first input, and a composite whose decomposition returns
-an input or a view of it (``F.dropout(x, p=0.0)``) to alias that input. A pass then refuses a
-fold it could have made; it never makes one it should not.
+an input or a view of it (``F.dropout(x, p=0.0)``) to alias that input; an op Thunder registered
+automatically shares what PyTorch's function shares on fake tensors. A pass then refuses a fold
+it could have made; it never makes one it should not.
 """
 
 from __future__ import annotations
@@ -228,6 +229,7 @@ def _torch_aliases(
 
 
 def _storage(t: torch.Tensor) -> int:
+    """An id of ``t``'s storage, the same for every view of it (fake tensors included)."""
     return t.untyped_storage()._cdata
 
 
