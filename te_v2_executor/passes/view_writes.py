@@ -148,9 +148,10 @@ def _differentiable_storage(trace: TraceCtx, writes: Writes) -> set[str]:
 
 def _used(trace: TraceCtx) -> set[int]:
     """The ids of the bound symbols whose results something uses: the return, the backward, a
-    write, or a used result of a later one. A name ``update_aliases`` gives is used where the name
-    it renames is, not where the others in its group are (Thunder renames a whole group of views
-    at once, the unused ones too)."""
+    write, or a used result of a later one that is not under ``torch.no_grad()`` (no gradient
+    flows back through that). A name ``update_aliases`` gives is used where the name it renames
+    is, not where the others in its group are (Thunder renames a whole group of views at once,
+    the unused ones too)."""
     ret = trace.bound_symbols[-1]
     names = {p.name for p in ret.flat_proxy_args}
     used = {id(ret)}
@@ -161,7 +162,7 @@ def _used(trace: TraceCtx) -> set[int]:
         used.add(id(bsym))
         if bsym.sym.name == "update_aliases":
             names.update(a.name for a, o in zip(bsym.args[0], outs, strict=False) if o.name in names)
-        else:
+        elif not _detached(bsym):
             names.update(a.name for a in bsym.flat_proxy_args)
     return used
 

@@ -13,6 +13,7 @@ import torch
 from thunder.dynamo import thunderfx
 from thunder.executors.torch_compile import torch_compile_ex
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from te_v2_executor import ClaimPolicy, TEv2FallbackWarning, current_scaling, explain, make_te_v2
 from te_v2_executor.passes._writes import Writes, written_tensor
@@ -293,7 +294,8 @@ def test_a_buffer_without_gradient_written_under_no_grad_trains_as_eager():
 class _WriteAroundNoGrad(nn.Module):
     """A write that Thunder differentiates as if it had not happened, around an op under
     ``torch.no_grad()``: read under no_grad through a view of the written tensor ("read"), or
-    into a tensor made under no_grad, read by a frozen linear and returned ("made")."""
+    through a checkpointed frozen linear of that view ("read by a frozen linear"), or into a
+    tensor made under no_grad, read by a frozen linear and returned ("made")."""
 
     def __init__(self, way: str) -> None:
         super().__init__()
@@ -303,9 +305,11 @@ class _WriteAroundNoGrad(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         h = self.a(x)
-        if self.way == "read":
+        if self.way in ("read", "read by a frozen linear"):
             v = h.view(4, 8, 64)
             h.mul_(-1.0)
+            if self.way == "read by a frozen linear":
+                v = checkpoint(self.c, v, use_reentrant=False)
             with torch.no_grad():
                 u = self.a(v)
             return (self.b(u),)
@@ -317,11 +321,11 @@ class _WriteAroundNoGrad(nn.Module):
         return y, u
 
 
-@pytest.mark.parametrize("way", ["read", "made"])
+@pytest.mark.parametrize("way", ["read", "read by a frozen linear", "made"])
 def test_a_write_around_an_op_under_no_grad_carries_no_gradient_and_trains_as_eager(way):
-    """No gradient flows through what runs under no_grad, so Thunder differentiating the write as
-    if it had not happened changes nothing: both were refused (fuzz seeds 20261209 program 25,
-    20261208 program 138)."""
+    """No gradient flows through what runs under no_grad, nor to what only it reads, so Thunder
+    differentiating the write as if it had not happened changes nothing: all three were refused
+    (fuzz seeds 20261209 program 25, 20261208 program 138)."""
     assert_like_eager(
         _WriteAroundNoGrad(way), torch.randn(32, 64), [make_te_v2(backend="reference")], grad=True, **TOLS
     )
