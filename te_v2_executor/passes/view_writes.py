@@ -37,7 +37,7 @@ from thunder.core.symbol import BoundSymbol
 from thunder.core.trace import TraceCtx
 
 from te_v2_executor.passes._trace import is_cast, ordered_read, replaced
-from te_v2_executor.passes._writes import StaleRead, Writes, reads_values, written_tensor
+from te_v2_executor.passes._writes import StaleRead, Writes, copy_source, reads_values, written_tensor
 from te_v2_executor.symbols import in_backward
 
 # The keys of a trace's return that hold what the forward returns: a joint trace's ``output``
@@ -202,7 +202,8 @@ def _reads_by_storage(
     trace: TraceCtx, writes: Writes
 ) -> dict[str, list[tuple[int, BoundSymbol, TensorProxy]]]:
     """(position, reader, tensor) of each forward read whose result is used, the return's of the
-    forward's outputs included, by the storage of the tensor read."""
+    forward's outputs included, by the storage of the tensor read; not a ``copy_``'s destination,
+    whose values it overwrites unread."""
     used, ret = _used(trace), trace.bound_symbols[-1]
     outputs = {t.name for t in _forward_outputs(trace)}
     found: dict[str, list[tuple[int, BoundSymbol, TensorProxy]]] = {}
@@ -215,8 +216,13 @@ def _reads_by_storage(
             or not (reads_values(reader) or reader is ret)
         ):
             continue
+        overwritten = written_tensor(reader) if copy_source(reader) is not None else None
         for p in reader.flat_proxy_args:
-            if isinstance(p, TensorProxy) and (reader is not ret or p.name in outputs):
+            if (
+                isinstance(p, TensorProxy)
+                and p is not overwritten
+                and (reader is not ret or p.name in outputs)
+            ):
                 found.setdefault(writes.root(p), []).append((at, reader, p))
     return found
 

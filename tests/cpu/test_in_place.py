@@ -331,6 +331,31 @@ def test_a_write_around_an_op_under_no_grad_carries_no_gradient_and_trains_as_ea
     )
 
 
+class _CopiedOverTwice(nn.Module):
+    """``x`` written through ``v``, which is ``x`` itself, then copied over again."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(32, 32, bias=False), nn.Linear(8, 32, bias=False)
+        self.c = nn.Linear(32, 8, bias=False).requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        v = nn.functional.dropout(x, p=0.0)
+        y = self.c(v)
+        v.copy_(h)
+        x.copy_(h)
+        return self.b(y)
+
+
+def test_a_copy_over_a_written_tensor_does_not_read_it():
+    """``x.copy_(h)`` overwrites x without reading it, so it is no read of x after the write
+    through ``v``: it was refused as one (fuzz seed 20261210, program 287)."""
+    assert_like_eager(
+        _CopiedOverTwice(), torch.randn(16, 32), [make_te_v2(backend="reference")], grad=True, **TOLS
+    )
+
+
 def _assert_backward_refused(way: str, claim: ClaimPolicy, match: str) -> None:
     """``WrittenThroughAnotherName(way)`` under te_v2: the forward runs (with eager's values where
     nothing is quantized), its backward raises an error matching ``match``, and no gradient is
