@@ -185,27 +185,36 @@ def _aliased_pairs(bsym: BoundSymbol) -> Iterator[tuple[TensorProxy, TensorProxy
         args = _tensors(bsym.flat_args)
         if args:
             yield from ((o, args[0]) for o in outs)
-    elif (torch_function := _AUTO_REGISTERED.get(bsym.sym.id)) is not None:
+    elif (torch_function := _auto_registered_function(bsym.sym)) is not None:
         yield from _torch_aliases(bsym, torch_function)
     elif bsym.subsymbols:
         yield from _returned_inputs(bsym)
 
 
-def _auto_registered() -> dict[str, Callable[..., Any]]:
-    """PyTorch's function for each op Thunder registered automatically, by the ids of its symbol
-    and of the torch executor's symbol that runs it."""
+def _auto_registered() -> dict[int, tuple[Symbol, Callable[..., Any]]]:
+    """Each op Thunder registered automatically, its symbol and the torch executor's symbol that
+    runs it, with PyTorch's function, keyed by the symbol's identity: the torch executor's symbols
+    are named by the bare function name, which ops of other modules share (``torch.linalg.matmul``
+    runs as ``matmul``), and symbols compare equal by that name."""
     found = {}
     for sym in ltorch._torch_to_thunder_function_map.values():
         if not isinstance(sym, Symbol) or prims.OpTags.AUTO_REGISTERED not in (sym.tags or ()):
             continue
         if (function := getattr(sym.meta, "__torchfn", None)) is not None:
-            found[sym.id] = function
+            found[id(sym)] = (sym, function)
             if (impl := torchex.ex.implmap.get(sym.id)) is not None and impl.symbol is not None:
-                found[impl.symbol.id] = function
+                found[id(impl.symbol)] = (impl.symbol, function)
     return found
 
 
 _AUTO_REGISTERED = _auto_registered()
+
+
+def _auto_registered_function(sym: Symbol) -> Callable[..., Any] | None:
+    """PyTorch's function that ``sym`` runs, where ``sym`` is (the torch executor's symbol of)
+    an op Thunder registered automatically; else None."""
+    found = _AUTO_REGISTERED.get(id(sym))
+    return found[1] if found is not None and found[0] is sym else None
 
 
 def _torch_aliases(

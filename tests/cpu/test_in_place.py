@@ -9,14 +9,16 @@ import warnings
 
 import pytest
 import thunder
+import thunder.torch as ltorch
 import torch
 from thunder.dynamo import thunderfx
+from thunder.executors import torchex
 from thunder.executors.torch_compile import torch_compile_ex
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from te_v2_executor import ClaimPolicy, TEv2FallbackWarning, current_scaling, explain, make_te_v2
-from te_v2_executor.passes._writes import Writes, written_tensor
+from te_v2_executor.passes._writes import Writes, _auto_registered_function, written_tensor
 from te_v2_executor.symbols import UNQUANTIZED_FWD, arg
 from tests.helpers import CLAIM_ALL, assert_like_eager, bsyms_of, forward_trace
 from tests.models import (
@@ -460,6 +462,15 @@ def test_a_write_through_an_op_that_returns_its_input_reaches_the_input(op):
     expected = write_through(expected_x, w)
     torch.testing.assert_close(thunder.jit(write_through, executors=[te_v2])(actual_x, w), expected, **TOLS)
     torch.testing.assert_close(actual_x, expected_x, rtol=0, atol=0)
+
+
+def test_only_ops_registered_automatically_run_on_fake_tensors():
+    """The torch executor names its symbols by the bare function name, which ops of other modules
+    share (``torch.linalg.matmul`` runs as ``matmul``): keyed by that name, every matmul of a
+    trace ran on fake tensors, taken for ``torch.linalg.matmul``."""
+    for op, function in [(ltorch.positive, torch.positive), (ltorch.matmul, None)]:
+        for sym in (op, torchex.ex.implmap[op.id].symbol):
+            assert _auto_registered_function(sym) is function, sym.id
 
 
 class _ReadThroughAnAliasAroundAWrite(nn.Module):
