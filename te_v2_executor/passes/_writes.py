@@ -294,6 +294,7 @@ class Writes:
                 self._union(out.name, arg.name)
             if written_tensor(bsym) is None and bsym.sym.name != "update_aliases":
                 self._over_input.update(out.name for out, _ in self._pairs[-1])
+        self._inputs = inputs
         self._input_roots = {self._root(name) for name in inputs}
         self._writes: dict[str, list[int]] = {}
         for i, bsym in enumerate(self.bound_symbols):
@@ -413,13 +414,13 @@ class Writes:
 
     def _taken(self, p: TensorProxy) -> int:
         """Where the forward took the values of ``p`` that the backward may read: where ``p`` was
-        made, or, for an op's result over its input's storage (a view, ``F.dropout(x, p=0.0)``),
-        whose backward reads none of its values, at the forward's first read of ``p`` whose
-        derivative does. Thunder renames only the views it knows of after a write, so the
+        made, or, for an input and for an op's result over its input's storage (a view,
+        ``F.dropout(x, p=0.0)``), whose backward reads none of its values, at the forward's first
+        read of ``p`` whose derivative does. Thunder renames only the views it knows of after a write, so the
         forward reads the others after it under their old names (``v = F.dropout(x, p=0.0);
         x.add_(v); linear(v)``), and their backward reads what those reads read."""
         made = self._defined.get(p.name, -1)
-        if p.name not in self._over_input:
+        if p.name not in self._over_input and p.name not in self._inputs:
             return made
         for i in range(made + 1, len(self.bound_symbols)):
             bsym = self.bound_symbols[i]

@@ -33,6 +33,20 @@ _NO_GRAD_WRITE = (
 )
 
 
+def _refuse_lost_gradients(trace: TraceCtx) -> None:
+    """Raises where Thunder differentiated a program with gradients to nothing at all while the
+    forward reads a written storage that carries gradient through another name (``view_writes``):
+    Thunder then drops the gradient of that read, and with no backward there is nothing to refuse
+    it in (``x0.to(torch.bfloat16).view(...)`` returned after a ``copy_`` into the cast: eager's
+    output requires grad, Thunder's does not)."""
+    ret = trace.bound_symbols[-1].args[0]
+    if not (isinstance(ret, dict) and "fw_flat_out" in ret):
+        return
+    if (bypass := next(bypassed_writes(trace), None)) is not None:
+        message = describe(Writes(trace), bypass, _BYPASSED_WRITE)
+        raise RuntimeError(f"{message} Here Thunder computes no gradient at all, so the forward is refused.")
+
+
 def refuse_stale_reads(trace: TraceCtx) -> TraceCtx:
     """Make a backward that would compute with the wrong values of a tensor written in place raise.
 
@@ -46,6 +60,7 @@ def refuse_stale_reads(trace: TraceCtx) -> TraceCtx:
     naming the tensor and the write. The forward is otherwise Thunder's and is left as it is."""
     grads = returned_grads(trace)
     if not grads:
+        _refuse_lost_gradients(trace)
         return trace
     writes = Writes(trace)
     refusals = itertools.chain(

@@ -358,6 +358,59 @@ def test_a_copy_over_a_written_tensor_does_not_read_it():
     )
 
 
+class _InputWrittenThroughAnAliasThenRead(nn.Module):
+    """Fuzz seed 20261213, program 419: a write into the input through ``F.dropout(x, p=0.0)``,
+    which is the input itself, before a linear reads the input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(32, 32, bias=False)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        v = nn.functional.dropout(x, p=0.0)
+        v.mul_(0.5)
+        return self.a(x), v
+
+
+def test_an_input_written_through_an_alias_before_its_first_read_trains_as_eager():
+    """The linear reads the input after the write, in the forward and, through what it saved,
+    in the backward: no read of values from before the write, as for a tensor an op made over
+    its input's storage. It was refused as a stale backward read."""
+    assert_like_eager(
+        _InputWrittenThroughAnAliasThenRead(),
+        torch.randn(16, 32),
+        [make_te_v2(backend="reference")],
+        grad=True,
+        **TOLS,
+    )
+
+
+class _CopiedIntoACastsView(nn.Module):
+    """Fuzz seed 20261213, program 422: a copy of ``b`` into a cast of ``a``, returned through a
+    view of the cast, so the output's values, and in eager its gradient, are ``b``'s."""
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        source = b.to(torch.bfloat16)
+        cast = a.to(torch.bfloat16)
+        view = cast.view(4, 16, 64)
+        cast.copy_(source)
+        return view
+
+
+def test_a_write_thunder_differentiates_to_no_gradient_is_refused_in_the_forward():
+    """Thunder's gradient transform gives the program above no gradient at all, so its output
+    did not require grad where eager's does, and ``b`` silently got none; with no backward to
+    refuse, te_v2 refuses the forward (Thunder alone fails in its backward with an assertion)."""
+    a, b = (torch.randn(64, 64, requires_grad=True) for _ in range(2))
+    _CopiedIntoACastsView()(a, b).float().sum().backward()
+    assert b.grad is not None and b.grad.abs().sum() > 0
+    jitted = thunder.jit(_CopiedIntoACastsView(), executors=[make_te_v2(backend="reference")])
+    with pytest.raises(RuntimeError, match="Thunder computes no gradient at all"):
+        jitted(a, b)
+    with torch.no_grad():
+        torch.testing.assert_close(jitted(a, b), _CopiedIntoACastsView()(a, b), rtol=0, atol=0)
+
+
 def _assert_backward_refused(way: str, claim: ClaimPolicy, match: str) -> None:
     """``WrittenThroughAnotherName(way)`` under te_v2: the forward runs (with eager's values where
     nothing is quantized), its backward raises an error matching ``match``, and no gradient is

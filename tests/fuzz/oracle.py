@@ -9,7 +9,8 @@ write into it) and every gradient; the None-ness of each gradient must match eag
 - te_v2 against the emulation: bitwise (``torch.equal``) where every linear ran in FP8, nothing
   is bfloat16, no fuser follows te_v2 and no op is one whose gradient Thunder computes from its
   own decomposition (``THUNDER_ROUNDED``): the same kernels, and te_v2's FP8 dgrad adds into a
-  gradient as eager's autograd adds. Elsewhere a relative error (Frobenius norm of the difference over the
+  gradient of two terms as eager's autograd adds (of three or more, possibly in another order).
+  Elsewhere a relative error (Frobenius norm of the difference over the
   emulation's) of at most ``FOLD_RTOL``: te_v2 folds sums and constant scales into its
   unquantized GEMMs (``addmm_`` with alpha, beta = 1), and Thunder's own backward (the fallback
   linears') adds gradients in another order (4.5e-8 seen). With a bfloat16 value,
@@ -37,6 +38,7 @@ so is te_v2's refusal (its own error) of a program that Thunder without te_v2 ge
 
 from __future__ import annotations
 
+import collections
 import math
 import traceback
 import warnings
@@ -191,7 +193,18 @@ def tolerance(program: Program, routes: frozenset[str]) -> float | None:
     if any(m.dtype == "bfloat16" for m in program.meta.values()):
         return BF16_RTOL
     rounded = any(THUNDER_ROUNDED.intersection(op.kinds) for op in program.ops)
-    return None if routes == {"fp8"} and not program.fusing.executors and not rounded else FOLD_RTOL
+    exact = routes == {"fp8"} and not program.fusing.executors and not rounded
+    return None if exact and not _three_gradient_terms(program) else FOLD_RTOL
+
+
+def _three_gradient_terms(program: Program) -> bool:
+    """Whether some value is read three times or more (an output counts as a read): its gradient
+    is then a sum of three terms, which te_v2's FP8 dgrad, adding into the sum of the others,
+    may add in another order than eager's autograd (4.9e-8 seen: fuzz seed 20261213 program 286,
+    ``x1`` read by a linear and an add and returned)."""
+    reads = collections.Counter(name for op in program.ops for name in op.reads)
+    reads.update(program.outputs)
+    return any(n >= 3 for n in reads.values())
 
 
 def _compare(expected: Run, actual: Run, label: str, tolerance: float | None, problems: list[str]) -> float:
