@@ -232,6 +232,10 @@ ABLATIONS = {
     "thunderfx BF16, nvFuser": (_thunderfx(_nvfuser_after(False), causal=False), False),
     "thunderfx + te_v2, masked attention": (_thunderfx(_te_v2_default, causal=False), True),
     "thunderfx + te_v2, nvFuser": (_thunderfx(_nvfuser_after(True)), True),
+    "thunderfx + te_v2 + CUDA graphs, saved memory reused": (
+        _thunderfx(_te_v2_default, _cuda_graphs(reuse_saved_memory=True)),
+        True,
+    ),
     "thunderfx + te_v2 + CUDA graphs, one pool": (
         _thunderfx(_te_v2_default, _cuda_graphs(share_mem_pool=True)),
         True,

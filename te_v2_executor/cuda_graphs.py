@@ -45,6 +45,7 @@ hooks) is that call's alone.
 from __future__ import annotations
 
 import sys
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from inspect import Parameter, Signature
@@ -56,11 +57,20 @@ import torch
 from thunder.core import prims
 from thunder.core.proxies import ProxyTag, TensorProxy
 from thunder.core.symbol import BoundSymbol
-from thunder.core.trace import TraceCtx, from_trace, reset_tracectx, set_tracectx
+from thunder.core.trace import TraceCtx, TraceTag, from_trace, reset_tracectx, set_tracectx
 from thunder.executors.data_dependent_partition import consecutive_fusion
 from thunder.transforms.cudagraph import CUDAGraphRunner, CUDAGraphTransform
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
+from te_v2_executor.graph_memory import (
+    ReleasePoints,
+    free_to_pool,
+    owns_its_memory,
+    pool_blocks,
+    relocate_held,
+    saved_only_outputs,
+    storages,
+)
 from te_v2_executor.passes._writes import Writes, written_tensor
 from te_v2_executor.state import LinearQuantState, current_amaxes_kept
 from te_v2_executor.symbols import SYNC_SYMBOLS
@@ -77,10 +87,14 @@ class TEv2CUDAGraphTransform(CUDAGraphTransform):
     backward graph's outputs); then each is a copy.
     """
 
-    def __init__(self, *, share_mem_pool: bool = False, copy_gradients: bool = False) -> None:
+    def __init__(
+        self, *, share_mem_pool: bool = False, copy_gradients: bool = False, reuse_saved_memory: bool = False
+    ) -> None:
         super().__init__(share_mem_pool=share_mem_pool)
         self.cuda_graph_runner = _CheckedRunner(
-            share_mem_pool=share_mem_pool, copy_gradients=copy_gradients or share_mem_pool
+            share_mem_pool=share_mem_pool,
+            copy_gradients=copy_gradients or share_mem_pool,
+            reuse_saved_memory=reuse_saved_memory and not share_mem_pool,
         )
 
     def can_fuse(self, bsym: BoundSymbol) -> bool:
@@ -107,12 +121,22 @@ class TEv2CUDAGraphTransform(CUDAGraphTransform):
         """
         unfused = from_trace(trace)
         unfused.bound_symbols = _unfused(trace.bound_symbols)
+        writes = Writes(unfused)
+        runner = self.cuda_graph_runner
         with mock.patch.object(thunder.transforms.cudagraph, "fuse_bound_symbols", consecutive_fusion):
             if trace.siginfo().name != "backward_fn":
                 fused = super().transform_trace_post_optimization(trace, **kwargs)
+                if TraceTag.AUGMENTED_FORWARD in fused.tags:
+                    runner.saved_only.update(
+                        saved_only_outputs(fused, writes, lambda b: b.sym.executor is self)
+                    )
             else:
-                fused = self._backward_graphs(trace, **kwargs)
-        self._tell_written_arguments(fused, Writes(unfused))
+                runner.release_points = ReleasePoints(trace, writes, runner.release)
+                try:
+                    fused = self._backward_graphs(trace, **kwargs)
+                finally:
+                    runner.release_points = None
+        self._tell_written_arguments(fused, writes)
         if trace.siginfo().name == "backward_fn":
             self.cuda_graph_runner.gradient_graphs.update(
                 b.sym.name for b in fused.bound_symbols if b.sym.executor is self
@@ -156,7 +180,13 @@ class _Replayed:
     graph hands to autograd over its memory and the positions of those it copies, and the outputs
     over an argument's copy with that argument's position (``_CheckedRunner._aliased``). ``outputs``,
     the graph's static outputs, is held so that its ``id``, the runner's key for this entry, stays
-    its own."""
+    its own.
+
+    With the saved tensors' memory reused (``graph_memory``): a forward graph's capture stream and
+    pool, the storages of its saved-only outputs by where they start, the positions of those
+    outputs, and the backward graphs captured in its pool (``partners``); a backward graph's
+    ``released``, the forward's outputs over memory it freed, and ``last_handed``, the gradients
+    it last handed out, by position."""
 
     outputs: Any
     in_place: frozenset[int]
@@ -167,6 +197,22 @@ class _Replayed:
     handed: list[_Handed] = field(default_factory=list)
     copied: list[int] = field(default_factory=list)
     aliased: list[tuple[int, int]] = field(default_factory=list)
+    stream: Any = None
+    pool: tuple[int, int] | None = None
+    saved_only: dict[int, torch.Tensor] = field(default_factory=dict)
+    saved_positions: frozenset[int] = frozenset()
+    partners: list[_Replayed] = field(default_factory=list)
+    released: list[torch.Tensor] = field(default_factory=list)
+    last_handed: dict[int, weakref.ref] = field(default_factory=dict)
+
+
+@dataclass
+class _Pairing:
+    """How a backward graph is captured in its forward's pool: the forward's entry, and how many
+    of the graph's arguments reach each storage it frees, by where the storage starts."""
+
+    forward: _Replayed
+    plan: dict[int, int]
 
 
 @dataclass
@@ -220,13 +266,21 @@ class _CheckedRunner(CUDAGraphRunner):
     as without graphs.
     """
 
-    def __init__(self, *, share_mem_pool: bool = False, copy_gradients: bool = False) -> None:
+    def __init__(
+        self, *, share_mem_pool: bool = False, copy_gradients: bool = False, reuse_saved_memory: bool = False
+    ) -> None:
         super().__init__(share_mem_pool=share_mem_pool)
         self.replayed: dict[int, _Replayed] = {}
         self.written_arguments: dict[str, tuple[int, ...]] = {}
         self.gradient_graphs: set[str] = set()
         self.copy_gradients = copy_gradients
+        self.reuse_saved_memory = reuse_saved_memory
+        self.saved_only: dict[str, frozenset[int]] = {}
+        self.releasable: dict[str, list[int]] = {}
+        self.release_points: ReleasePoints | None = None
         self._shared: dict[int, torch.Tensor] = {}
+        self._plan: dict[int, int] = {}
+        self._released: set[int] = set()
 
     def make_cache_key(self, fn_name: str, *args: Any) -> tuple:
         """Thunder's key (the graph, which arguments it reads in place, the layouts of all), with
@@ -266,7 +320,14 @@ class _CheckedRunner(CUDAGraphRunner):
         a linear to another linear's state, which then quantized with the wrong scale without a
         word. Here the symbols are copies that remember nothing, and the globals are gathered
         under the graph's trace.
+
+        In a backward, with the saved tensors' memory reused, the function frees each input it may
+        free (``ReleasePoints``) after its last reader, when capturing (``release``).
         """
+        points = self.release_points
+        if self.reuse_saved_memory and points is not None:
+            self.releasable[fn_name] = points.releasable(bsyms, inputs, outputs)
+            bsyms = points.with_releases(bsyms, inputs, self.releasable[fn_name])
         signature = Signature(
             Parameter(getattr(p, "name", f"arg{i}"), Parameter.POSITIONAL_ONLY) for i, p in enumerate(inputs)
         )
@@ -286,6 +347,67 @@ class _CheckedRunner(CUDAGraphRunner):
         finally:
             reset_tracectx(token)
 
+    def release(self, *tensors: Any) -> None:
+        """Frees, while a backward graph is captured in its forward's pool, the storages of
+        ``tensors`` the capture's plan holds once every argument reaching them has called this
+        (``graph_memory``); does nothing otherwise (the warm-up calls, a graph captured alone)."""
+        if not self._plan or not torch.cuda.is_current_stream_capturing():
+            return
+        for at, tensor in ((at, m) for t in tensors for at, m in storages([t]).items()):
+            if at in self._plan:
+                self._plan[at] -= 1
+                if self._plan[at] == 0:
+                    free_to_pool(tensor)
+                    self._released.add(at)
+
+    def _pairing(self, name: str, args: list[Any], static_args_mask: tuple[bool, ...]) -> _Pairing | None:
+        """How the backward graph ``name`` is captured in its forward's pool, or None where it
+        frees nothing there: its arguments it may free (read in place, by no later symbol) over
+        memory a forward graph's capture allocated for the backward alone, reached by none of its
+        other arguments."""
+        positions = [i for i in self.releasable.get(name, ()) if static_args_mask[i]]
+        wanted = storages(args[i] for i in positions)
+        forward = next((r for r in self.replayed.values() if r.saved_only.keys() & wanted.keys()), None)
+        if forward is None:
+            return None
+        device = next(t.device for t in wanted.values())
+        blocks = pool_blocks(device, forward.pool)
+        others = storages(a for i, a in enumerate(args) if i not in positions)
+        plan: dict[int, int] = {}
+        for i in positions:
+            for at, tensor in storages([args[i]]).items():
+                if (
+                    at in forward.saved_only
+                    and at not in others
+                    and blocks.get(at, 0) >= tensor.untyped_storage().nbytes()
+                    and owns_its_memory(tensor)
+                ):
+                    plan[at] = plan.get(at, 0) + 1
+        return _Pairing(forward, plan) if plan else None
+
+    def _capture(
+        self, fn: Callable, args: list[Any], static_args_mask: tuple[bool, ...], stream: Any, pool: Any
+    ) -> tuple:
+        """Thunder's ``build_cuda_graph`` (copies of the arguments not read in place, three warm-up
+        calls, one capture), on ``stream`` and into ``pool`` (a new pool for None), which a
+        forward graph and its backward's share."""
+        static_inputs = tuple(
+            a if in_place else self.get_static_buffer(a)
+            for a, in_place in zip(args, static_args_mask, strict=True)
+        )
+        torch.cuda.synchronize()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(3):
+                fn(*static_inputs)
+        stream.synchronize()
+        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream, pool=pool):
+            outputs = fn(*static_inputs)
+        return graph, static_inputs, outputs
+
     def build_cuda_graph(self, fn: Callable, args: list[Any], static_args_mask: tuple[bool, ...]) -> tuple:
         name = next(name for name, (callable_, _) in self.python_callables.items() if callable_ is fn)
         in_place_writes = [i for i in self.written_arguments.get(name, ()) if static_args_mask[i]]
@@ -295,22 +417,34 @@ class _CheckedRunner(CUDAGraphRunner):
             for s in tree_leaves(b.kwargs)
             if isinstance(s, LinearQuantState)
         }
+        device = next((a.device for a in args if isinstance(a, torch.Tensor) and a.is_cuda), None)
+        reusing = self.reuse_saved_memory and device is not None
+        pairing = self._pairing(name, args, static_args_mask) if reusing and name in self.releasable else None
+        stream, pool = None, None
+        if pairing is not None:
+            stream, pool = pairing.forward.stream, pairing.forward.pool
+        elif reusing and self.saved_only.get(name):
+            stream = torch.cuda.Stream(device)
         self._shared = _shared_copies(args, static_args_mask)
+        self._plan, self._released = (pairing.plan if pairing else {}), set()
         try:
             with torch.no_grad(), current_amaxes_kept(states.values()):
                 values = [args[i].clone() for i in in_place_writes]
-                built = super().build_cuda_graph(fn, args, static_args_mask)
+                if stream is None:
+                    built = super().build_cuda_graph(fn, args, static_args_mask)
+                else:
+                    built = self._capture(fn, args, static_args_mask, stream, pool)
                 for i, value in zip(in_place_writes, values, strict=True):
                     args[i].copy_(value)
         finally:
-            self._shared = {}
+            self._shared, self._plan = {}, {}
         outputs = built[2]
         in_place = [i for i, static in enumerate(static_args_mask) if static]
         fixed = [(i, args[i], at) for i in in_place if (at := _address(args[i])) is not None]
         leaves = tree_leaves(outputs)
         replayed = _Replayed(outputs, frozenset(in_place), fixed, built[1])
         replayed.aliased = self._aliased(name, leaves, built[1], args, in_place)
-        read = {_address(a, storage=True) for a in (*args, *built[1])} - {None}
+        read = {_address(a, storage=True) for a in (*args, *built[1])} - {None} - self._released
         if name in self.gradient_graphs:
             replayed.handed = [] if self.copy_gradients else _handed(leaves, read)
             kept = {h.position for h in replayed.handed} | {at for at, _ in replayed.aliased}
@@ -327,8 +461,34 @@ class _CheckedRunner(CUDAGraphRunner):
             ]
             replayed.written = [leaves[i] for i in marked]
             replayed.fresh = [i for i in marked if type(leaves[i]) is torch.Tensor]
+        if pairing is not None:
+            forward = pairing.forward
+            pairing.forward.partners.append(replayed)
+            replayed.released = [
+                forward.outputs[i]
+                for i in forward.saved_positions
+                if storages([forward.outputs[i]]).keys() & self._released
+            ]
+        elif stream is not None:
+            self._keep_saved_only(replayed, name, stream, built, args)
         self.replayed[id(outputs)] = replayed
         return built
+
+    def _keep_saved_only(
+        self, replayed: _Replayed, name: str, stream: Any, built: tuple, args: list[Any]
+    ) -> None:
+        """Notes, for the forward graph ``name``, its capture stream and pool and the storages of
+        its saved-only outputs (``saved_only``) that no other output, argument or copy of one
+        reaches: the memory its backward's graphs may free."""
+        outputs = built[2]
+        positions = self.saved_only[name]
+        others = storages(o for i, o in enumerate(outputs) if i not in positions)
+        others.update(storages((*args, *built[1])))
+        replayed.stream, replayed.pool = stream, built[0].pool()
+        replayed.saved_positions = positions
+        replayed.saved_only = {
+            at: t for at, t in storages(outputs[i] for i in positions).items() if at not in others
+        }
 
     def _aliased(
         self, name: str, leaves: list[Any], copies: tuple[Any, ...], args: list[Any], in_place: list[int]
@@ -373,12 +533,17 @@ class _CheckedRunner(CUDAGraphRunner):
         graph, static_inputs, outputs = entry
         replayed = self.replayed[id(outputs)]
         self._check_in_place(fn_name, replayed)
+        if replayed.partners:
+            parameters = [t for _, t, _ in replayed.fixed if isinstance(t, torch.nn.Parameter)]
+            for partner in replayed.partners:
+                relocate_held(partner.handed, partner.last_handed, parameters)
         held = _held(replayed)
         for i, (static_input, given) in enumerate(zip(static_inputs, args, strict=True)):
             if static_input is not given and isinstance(given, torch.Tensor) and i not in replayed.in_place:
                 static_input.copy_(given)
         graph.replay()
         torch.autograd.graph.increment_version(replayed.written)
+        torch.autograd.graph.increment_version(replayed.released)
         if copied_back := [
             i for i in self.written_arguments.get(fn_name, ()) if replayed.inputs[i] is not args[i]
         ]:
@@ -459,10 +624,12 @@ def _hand_over(replayed: _Replayed, held: dict[int, torch.Tensor], args: tuple[A
         if (value := held.get(h.position)) is not None:
             leaves[h.position] = static.clone()
             static.copy_(value)
+            replayed.last_handed.pop(h.position, None)
         else:
             leaves[h.position] = torch.empty((0,), dtype=static.dtype, device=static.device).set_(
                 h.storage, static.storage_offset(), static.size(), static.stride()
             )
+            replayed.last_handed[h.position] = weakref.ref(leaves[h.position])
     return tree_unflatten(leaves, spec)
 
 

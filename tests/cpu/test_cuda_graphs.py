@@ -7,6 +7,8 @@ on the trace, which the reference backend builds on the CPU.
 from __future__ import annotations
 
 import inspect
+import sys
+import weakref
 from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
@@ -29,8 +31,10 @@ from te_v2_executor import (
     thunderfx,
 )
 from te_v2_executor.backends.reference import ReferenceQuantizedTensor
-from te_v2_executor.cuda_graphs import _saved_tensors
+from te_v2_executor.cuda_graphs import _CheckedRunner, _Handed, _saved_tensors
+from te_v2_executor.graph_memory import RELEASE_NAME, ReleasePoints, relocate_held
 from te_v2_executor.inductor import inductor_ex
+from te_v2_executor.passes._writes import Writes
 from te_v2_executor.state import LinearQuantState
 from te_v2_executor.symbols import BACKWARD_SYNC, FORWARD_SYNC, LINEAR_FWD, RECAST_WEIGHTS, arg
 from tests.helpers import CLAIM_ALL, backward_trace, capture_taped, forward_trace
@@ -682,3 +686,93 @@ def test_an_input_returned_is_the_callers_tensor(monkeypatch):
             grads.append(x.grad)
         runs.append(grads)
     assert all(map(torch.equal, *runs))
+
+
+def test_a_backward_graph_frees_each_saved_tensor_only_it_reads_after_its_last_reader(monkeypatch):
+    """With ``reuse_saved_memory``, the forward graph's saved-only outputs are those the forward
+    saves and neither returns to the caller nor reads outside its graphs; the backward graph calls
+    ``release`` with each of them it reads, read by nothing after the graph, once per call and
+    after its last reader, and with nothing else (the capture's plan then frees their memory,
+    on a GPU)."""
+    monkeypatch.setattr(CUDAGraphRunner, "build_cuda_graph", capture_taped)
+    jitted = _trained()
+    transform = TEv2CUDAGraphTransform(reuse_saved_memory=True)
+    forward = transform.transform_trace_post_optimization(forward_trace(jitted))
+    backward_before = backward_trace(jitted)
+    transform.transform_trace_post_optimization(backward_before)
+    runner = transform.cuda_graph_runner
+    ((fwd_graph, positions),) = runner.saved_only.items()
+    outputs = runner.trace_symbols[fwd_graph][2]
+    user, saved = forward.bound_symbols[-1].args
+    user_names = {t.name for t in tree_leaves(user) if hasattr(t, "name")}
+    saved_names = {t.name for t in tree_leaves(saved) if hasattr(t, "name")}
+    saved_only = {outputs[i].name for i in positions}
+    assert saved_only and saved_only <= saved_names and not saved_only & user_names
+    assert saved_names - saved_only  # a weight and the sync's scales are saved, not the graph's alone
+    ((bwd_graph, freed),) = runner.releasable.items()
+    bsyms, inputs, _ = runner.trace_symbols[bwd_graph]
+    freed_names = {inputs[i].name for i in freed}
+    assert saved_only <= freed_names <= {p.name for p in _saved_tensors(backward_before)}
+    points = ReleasePoints(backward_before, Writes(backward_before), lambda *t: None)
+    with_releases = points.with_releases(bsyms, inputs, freed)
+    for name in freed_names:
+        (at,) = [
+            i for i, b in enumerate(with_releases) if b.sym.name == RELEASE_NAME and name in _arg_names(b)
+        ]
+        readers = [
+            i
+            for i, b in enumerate(with_releases)
+            if b.sym.name not in ("python_del",) and name in _arg_names(b)
+        ]
+        assert max(readers) == at, name
+        assert not any(name in _arg_names(b) for b in with_releases if b.sym.name == "python_del")
+    calls: list[int] = []
+    monkeypatch.setattr(_CheckedRunner, "release", lambda self, *tensors: calls.append(len(tensors)))
+    graphed = TEv2CUDAGraphTransform(reuse_saved_memory=True)
+    model = thunder.jit(
+        LoRAStack([DIM] * 3, rank=16),
+        executors=[make_te_v2(backend="reference", claim=CLAIM_ALL)],
+        transforms=[graphed],
+    )
+    for _ in range(2):
+        model(torch.randn(TOKENS, DIM)).sum().backward()
+    (freeing,) = graphed.cuda_graph_runner.releasable.values()
+    assert sum(calls) == 4 * len(freeing)  # three warm-up calls and the capture; replays run no Python
+
+
+def _arg_names(bsym) -> set[str]:
+    return {p.name for p in bsym.flat_proxy_args}
+
+
+@pytest.mark.parametrize("held", ["grad", "handed", "view", "kept after zero_grad"])
+def test_a_held_gradient_is_moved_out_of_the_graphs_memory(held):
+    """Before a forward replay that may write where a backward graph's gradient lies, each held
+    gradient moves to memory of its own with its values, through every name autograd gave it
+    (``.grad``, a detached copy of the tensor handed out) or the tensor handed out itself; one read
+    otherwise (a view of it, or the tensor kept after ``.grad`` was set to None) raises."""
+    graph_memory = torch.randn(8, 4)
+    h = _Handed(0, graph_memory.untyped_storage())
+    h.own, h.own_python = torch._C._storage_Use_Count(h.storage._cdata), sys.getrefcount(h.storage)
+    handed = torch.empty((0,)).set_(h.storage, 0, (8, 4), (4, 1))
+    last = {0: weakref.ref(handed)}
+    weight = torch.nn.Parameter(torch.zeros(8, 4))
+    weight.grad = handed.detach()
+    reader = {
+        "grad": weight.grad,
+        "handed": handed,
+        "view": weight.grad.view(-1),
+        "kept after zero_grad": weight.grad,
+    }[held]
+    if held != "handed":
+        del handed
+    if held in ("view", "kept after zero_grad"):
+        weight.grad = None
+        with pytest.raises(RuntimeError, match="still read, other than through a parameter's"):
+            relocate_held([h], last, [weight])
+        return
+    values = graph_memory.clone()
+    relocate_held([h], last, [weight])
+    graph_memory.zero_()
+    assert torch.equal(reader, values) and reader.untyped_storage()._cdata != h.storage._cdata
+    assert torch._C._storage_Use_Count(h.storage._cdata) == h.own
+    relocate_held([h], last, [weight])  # nothing held any more: nothing moves

@@ -232,15 +232,18 @@ def test_a_second_forward_before_the_backward_raises():
         (first + second).backward()
 
 
+@pytest.mark.parametrize("reuse", [False, True], ids=["saved memory apart", "saved memory reused"])
 @pytest.mark.parametrize("scenario", ["full", "lora"])
-def test_graphs_through_thunderfx_follow_the_same_steps_without_them(scenario):
+def test_graphs_through_thunderfx_follow_the_same_steps_without_them(scenario, reuse):
     """A Hugging Face Llama through thunderfx: Thunder's transform found a backward's saved tensors
     at fixed trace positions, which thunderfx's regions need not keep; the replayed steps give the
     losses and gradients of the same steps without graphs. The same steps: both make every recast
     (under graphs te_v2 does; here the suite's fixture makes the steps without graphs do too), as
     the norms' outputs ``input_recasts`` casts again in the backward are computed by eager's
     rounding rather than the forward region's, which moves the trajectory of four steps
-    (``test_hf_models`` bounds what that does to one step's gradients)."""
+    (``test_hf_models`` bounds what that does to one step's gradients). With
+    ``reuse_saved_memory``, the backward graphs free the saved tensors into their forwards'
+    pools."""
     pytest.importorskip("transformers", reason="needs transformers (the [bench] extra)")
     pytest.importorskip("peft", reason="needs peft (the [bench] extra)")
     import transformer_engine.pytorch as te
@@ -257,7 +260,8 @@ def test_graphs_through_thunderfx_follow_the_same_steps_without_them(scenario):
         0, 512, (STEPS, 2, 128), device="cuda", generator=torch.Generator("cuda").manual_seed(0)
     )
     runs = []
-    for m, transforms in ((model, []), (graphed_model, [TEv2CUDAGraphTransform()])):
+    transform = TEv2CUDAGraphTransform(reuse_saved_memory=reuse)
+    for m, transforms in ((model, []), (graphed_model, [transform])):
         compiled = thunderfx(m, executors=executors(te_v2_claiming_all()), transforms=transforms)
         step = loss_of(compiled)
         opt = torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.05)
@@ -277,5 +281,122 @@ def test_graphs_through_thunderfx_follow_the_same_steps_without_them(scenario):
     saved = [p for t in backwards for p in _saved_tensors(t) or ()]
     assert any(ProxyTag.STATIC_MEMORY_LOCATION in p.tags for p in saved), "every saved tensor is copied"
     torch.testing.assert_close(graphed_losses, losses, rtol=1e-3, atol=0)
+    partners = [b for r in transform.cuda_graph_runner.replayed.values() for b in r.partners]
+    assert bool(partners) == reuse, (
+        "a backward graph was captured in its forward's pool" if partners else "none was"
+    )
     cosines = grad_cosines(graphed_grads, grads)
     assert all(c > 0.9999 for c in cosines.values()), cosines
+
+
+def _reuse_runs(reuse: bool | None, steps: int, *, accumulate: int = 1, set_to_none: bool = True):
+    """Losses and trained weights after ``steps`` steps of a 4-linear GELU stack at sizes where
+    the saved activations are a large part of the step's memory, with graphs (``reuse``: whether
+    the backward graph reuses the saved tensors' memory) or without them (None); each step sums
+    ``accumulate`` micro-batches' gradients in ``.grad``. Also the runner, and the peak above the
+    model of the last step (allocated, plus what the graphs' pools hold idle)."""
+    import transformer_engine.pytorch as te
+
+    from benchmarks.measure import idle_in_graph_pools
+
+    dim, tokens = 1024, 16384
+    torch.manual_seed(0)
+    model = Stack([dim] * 5, act=torch.nn.functional.gelu, factory=torch_linear)
+    transform = None if reuse is None else TEv2CUDAGraphTransform(reuse_saved_memory=reuse)
+    fn = thunder.jit(model, executors=[te_v2_claiming_all()], transforms=[transform] if transform else [])
+    xs = torch.randn(steps, accumulate, tokens, dim, device="cuda", dtype=DTYPE)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    losses = []
+    for step in range(steps):
+        if step == steps - 1:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            baseline = torch.cuda.memory_allocated()
+        for x in xs[step]:
+            with te.autocast(enabled=True, recipe=delayed_recipe()):
+                loss = fn(x).float().square().mean()
+            loss.backward()
+            losses.append(loss.detach().clone())
+            del loss
+        opt.step()
+        opt.zero_grad(set_to_none=set_to_none)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - baseline + idle_in_graph_pools(torch.cuda.memory_snapshot())
+    runner = None if transform is None else transform.cuda_graph_runner
+    return [*losses, *(p.detach().clone() for p in model.parameters())], runner, peak
+
+
+def test_a_backward_graph_reuses_the_memory_its_forward_saved():
+    """With ``reuse_saved_memory=True`` the backward graph is captured in its forward's pool and
+    frees each saved tensor there after its last read, so that its gradients and temporaries may
+    take that memory, and the steps give the same losses and weights, to the bit, as without
+    graphs. The peaks are printed, not compared: at these sizes the pool's fragments cost more
+    than the reuse saves (docs/performance.md)."""
+    plain, _, _ = _reuse_runs(None, STEPS)
+    apart, _, peak_apart = _reuse_runs(False, STEPS)
+    reused, runner, peak_reused = _reuse_runs(True, STEPS)
+    for a, b, c in zip(plain, apart, reused, strict=True):
+        torch.testing.assert_close(b, a, rtol=0, atol=0)
+        torch.testing.assert_close(c, a, rtol=0, atol=0)
+    forwards = [r for r in runner.replayed.values() if r.partners]
+    released = sum(len(b.released) for f in forwards for b in f.partners)
+    freed = sum(t.untyped_storage().nbytes() for f in forwards for t in f.saved_only.values())
+    print(
+        f"peak above the model: {peak_apart >> 20} MiB apart, {peak_reused >> 20} MiB reused; "
+        f"{released} saved tensors, {freed >> 20} MiB, freed to the backward"
+    )
+    assert forwards and released, "no backward graph was captured in its forward's pool"
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_gradients_held_across_the_next_forward_keep_their_values(set_to_none):
+    """Two micro-batches a step: the first backward's gradients, kept in ``.grad`` while the next
+    forward replays into the pool they may lie in, are moved out first and accumulate as without
+    graphs (and, with ``zero_grad(set_to_none=False)``, across steps too)."""
+    plain, _, _ = _reuse_runs(None, 3, accumulate=2, set_to_none=set_to_none)
+    reused, _, _ = _reuse_runs(True, 3, accumulate=2, set_to_none=set_to_none)
+    for a, b in zip(plain, reused, strict=True):
+        torch.testing.assert_close(b, a, rtol=0, atol=0)
+
+
+def _reusing(model: torch.nn.Module):
+    """``model`` under graphs whose backward reuses the saved memory, its graphs captured."""
+    import transformer_engine.pytorch as te
+
+    graphed = _graphed(model, [], TEv2CUDAGraphTransform(reuse_saved_memory=True))
+    with te.autocast(enabled=True, recipe=delayed_recipe()):
+        graphed(torch.randn(TOKENS, DIM, device="cuda", dtype=DTYPE)).float().sum().backward()
+    return graphed
+
+
+def test_a_second_backward_over_reused_memory_raises():
+    """``retain_graph=True`` and a second backward: the first backward's replay wrote its
+    temporaries where the forward saved, and autograd refuses the saved tensors rather than
+    computing gradients from them."""
+    import transformer_engine.pytorch as te
+
+    graphed = _reusing(_model("full"))
+    with te.autocast(enabled=True, recipe=delayed_recipe()):
+        loss = graphed(torch.randn(TOKENS, DIM, device="cuda", dtype=DTYPE)).float().sum()
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
+@pytest.mark.parametrize("held", ["view", "kept after zero_grad"])
+def test_a_gradient_held_outside_grad_across_the_next_forward_raises(held):
+    """A gradient the next forward replay may overwrite, read other than through ``.grad``
+    (which is moved out of the way), raises rather than changing under its reader."""
+    import transformer_engine.pytorch as te
+
+    model = _model("full")
+    graphed = _reusing(model)
+    kept = model.linears[0].weight.grad
+    kept = kept.view(-1) if held == "view" else kept
+    model.zero_grad(set_to_none=True)
+    with (
+        pytest.raises(RuntimeError, match=r"still read, other than through a parameter's \.grad"),
+        te.autocast(enabled=True, recipe=delayed_recipe()),
+    ):
+        graphed(torch.randn(TOKENS, DIM, device="cuda", dtype=DTYPE))
+    assert kept.numel()
