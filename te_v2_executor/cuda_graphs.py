@@ -280,7 +280,7 @@ class _CheckedRunner(CUDAGraphRunner):
         self.release_points: ReleasePoints | None = None
         self._shared: dict[int, torch.Tensor] = {}
         self._plan: dict[int, int] = {}
-        self._released: set[int] = set()
+        self._released: dict[int, int] = {}
 
     def make_cache_key(self, fn_name: str, *args: Any) -> tuple:
         """Thunder's key (the graph, which arguments it reads in place, the layouts of all), with
@@ -358,7 +358,7 @@ class _CheckedRunner(CUDAGraphRunner):
                 self._plan[at] -= 1
                 if self._plan[at] == 0:
                     free_to_pool(tensor)
-                    self._released.add(at)
+                    self._released[at] = tensor.untyped_storage()._cdata
 
     def _pairing(self, name: str, args: list[Any], static_args_mask: tuple[bool, ...]) -> _Pairing | None:
         """How the backward graph ``name`` is captured in its forward's pool, or None where it
@@ -426,7 +426,7 @@ class _CheckedRunner(CUDAGraphRunner):
         elif reusing and self.saved_only.get(name):
             stream = torch.cuda.Stream(device)
         self._shared = _shared_copies(args, static_args_mask)
-        self._plan, self._released = (pairing.plan if pairing else {}), set()
+        self._plan, self._released = (pairing.plan if pairing else {}), {}
         try:
             with torch.no_grad(), current_amaxes_kept(states.values()):
                 values = [args[i].clone() for i in in_place_writes]
@@ -444,7 +444,7 @@ class _CheckedRunner(CUDAGraphRunner):
         leaves = tree_leaves(outputs)
         replayed = _Replayed(outputs, frozenset(in_place), fixed, built[1])
         replayed.aliased = self._aliased(name, leaves, built[1], args, in_place)
-        read = {_address(a, storage=True) for a in (*args, *built[1])} - {None} - self._released
+        read = {_address(a, storage=True) for a in (*args, *built[1])} - {None} - self._released.keys()
         if name in self.gradient_graphs:
             replayed.handed = [] if self.copy_gradients else _handed(leaves, read)
             kept = {h.position for h in replayed.handed} | {at for at, _ in replayed.aliased}
@@ -462,17 +462,30 @@ class _CheckedRunner(CUDAGraphRunner):
             replayed.written = [leaves[i] for i in marked]
             replayed.fresh = [i for i in marked if type(leaves[i]) is torch.Tensor]
         if pairing is not None:
+            self._check_nothing_returned_was_freed(name, leaves)
             forward = pairing.forward
             pairing.forward.partners.append(replayed)
             replayed.released = [
                 forward.outputs[i]
                 for i in forward.saved_positions
-                if storages([forward.outputs[i]]).keys() & self._released
+                if storages([forward.outputs[i]]).keys() & self._released.keys()
             ]
         elif stream is not None:
             self._keep_saved_only(replayed, name, stream, built, args)
         self.replayed[id(outputs)] = replayed
         return built
+
+    def _check_nothing_returned_was_freed(self, name: str, leaves: list[Any]) -> None:
+        """Raises where the backward graph ``name`` returns a tensor over a storage its capture
+        freed (a view of a saved tensor the trace analysis did not see), which its own later
+        temporaries would overwrite."""
+        freed = set(self._released.values())
+        if any(t.untyped_storage()._cdata in freed for leaf in leaves for t in storages([leaf]).values()):
+            raise RuntimeError(
+                f"te_v2 internal error: CUDA graph {name} returns a tensor over memory it gave back to "
+                "its forward's pool; please report it. TEv2CUDAGraphTransform(reuse_saved_memory=False) "
+                "avoids this path."
+            )
 
     def _keep_saved_only(
         self, replayed: _Replayed, name: str, stream: Any, built: tuple, args: list[Any]

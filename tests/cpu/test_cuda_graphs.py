@@ -776,3 +776,15 @@ def test_a_held_gradient_is_moved_out_of_the_graphs_memory(held):
     assert torch.equal(reader, values) and reader.untyped_storage()._cdata != h.storage._cdata
     assert torch._C._storage_Use_Count(h.storage._cdata) == h.own
     relocate_held([h], last, [weight])  # nothing held any more: nothing moves
+
+
+def test_a_backward_graph_returning_memory_it_freed_is_refused():
+    """A backward graph whose output is a view of a saved tensor its capture freed (one the trace
+    analysis took for new memory) would have its own later temporaries overwrite that output: the
+    capture raises instead. A new output at a freed tensor's address is not such a view."""
+    runner = TEv2CUDAGraphTransform(reuse_saved_memory=True).cuda_graph_runner
+    saved, fresh = torch.randn(8, 4), torch.randn(8, 4)
+    runner._released = {saved.untyped_storage().data_ptr(): saved.untyped_storage()._cdata}
+    runner._check_nothing_returned_was_freed("CUDAGraph2", [fresh, None, 3])
+    with pytest.raises(RuntimeError, match="returns a tensor over memory it gave back"):
+        runner._check_nothing_returned_was_freed("CUDAGraph2", [fresh, saved[2:].t()])

@@ -30,7 +30,9 @@ write into it) and every gradient; the None-ness of each gradient must match eag
 - ``graphs``: te_v2 under ``TEv2CUDAGraphTransform`` for ``DELAYED_STEPS`` delayed-scaling steps,
   its graphs captured and replayed by ``tests.helpers.capture_taped`` (ATen operations taped and
   run again, no Python, as a CUDA graph replays), against te_v2 without graphs: bitwise. The tape
-  cannot see Inductor's CPU kernels, so this holds for programs te_v2 runs alone.
+  cannot see Inductor's CPU kernels, so this holds for programs te_v2 runs alone. The transform
+  reuses the saved memory (``reuse_saved_memory=True``): its backward graphs' functions carry
+  the calls that free the saved tensors after their last readers (which free nothing on the CPU).
 
 A failure that Thunder without te_v2 shows too is Thunder's (``Verdict.status`` "thunder"), and
 so is te_v2's refusal (its own error) of a program that Thunder without te_v2 gets wrong silently.
@@ -157,7 +159,7 @@ def execute(program: Program, how: str, *, recipe: RecipeSpec | None = None, ste
         fn: Callable[..., Any] = model
         if how.startswith("te_v2"):
             te_v2 = make_te_v2(backend="reference", recipe=recipe, claim=claim)
-            fn = program.fusing.jit(model, te_v2, [TEv2CUDAGraphTransform()] if graphed else None)
+            fn = program.fusing.jit(model, te_v2, [TEv2CUDAGraphTransform(reuse_saved_memory=True)] if graphed else None)
         elif how == "thunder":
             fn = program.fusing.jit(model)
         runs = []
