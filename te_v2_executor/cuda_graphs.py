@@ -38,6 +38,10 @@ another graph's replay may write into a backward graph's memory) returns a copy 
 forward replay returns new tensors over its memory, so what autograd ties to one (``retain_grad``,
 hooks) is that call's alone.
 
+``reuse_saved_memory=True`` captures each backward graph in its forward graph's pool and frees
+there, in the capture, what only the backward reads, after its last read (``graph_memory``), so
+that the forward's saved tensors and the backward's memory overlap as without graphs.
+
     jitted = thunder.jit(model, executors=[te_v2, torch_compile_ex], transforms=[TEv2CUDAGraphTransform()])
     compiled = thunderfx(model, executors=executors(), transforms=[TEv2CUDAGraphTransform()])
 """
@@ -84,7 +88,10 @@ class TEv2CUDAGraphTransform(CUDAGraphTransform):
     stay allocated between steps. A backward that would read a saved tensor a later replay
     overwrote raises instead. Gradients go to ``.grad`` without a copy, unless
     ``copy_gradients`` or ``share_mem_pool`` (where another graph's replay may write into a
-    backward graph's outputs); then each is a copy.
+    backward graph's outputs); then each is a copy. With ``reuse_saved_memory`` each backward
+    graph is captured in its forward graph's pool and gives it back the memory of what only the
+    backward reads after its last read of it (``graph_memory``): a lower peak on large steps, and
+    a second backward over one forward raises.
     """
 
     def __init__(
