@@ -159,7 +159,9 @@ def execute(program: Program, how: str, *, recipe: RecipeSpec | None = None, ste
         fn: Callable[..., Any] = model
         if how.startswith("te_v2"):
             te_v2 = make_te_v2(backend="reference", recipe=recipe, claim=claim)
-            fn = program.fusing.jit(model, te_v2, [TEv2CUDAGraphTransform(reuse_saved_memory=True)] if graphed else None)
+            fn = program.fusing.jit(
+                model, te_v2, [TEv2CUDAGraphTransform(reuse_saved_memory=True)] if graphed else None
+            )
         elif how == "thunder":
             fn = program.fusing.jit(model)
         runs = []
