@@ -227,6 +227,28 @@ def _reads_by_storage(
     return found
 
 
+def writes_into_inputs_with_gradient(trace: TraceCtx) -> Iterator[StaleRead]:
+    """The forward's writes, with gradients, into the storage of an input of the trace that
+    requires grad (an activation passed in, a view of one, ``x.to(x.dtype)`` of one), each as a
+    read of the input by its writer: Thunder 0.2.6 differentiates every such write wrong, the
+    input's gradient or that of what the write reads None or short of the write's factor
+    (``x.mul_(3); return x`` gives a third of eager's gradient, ``x.add_(r)`` none to ``r``)."""
+    writes = Writes(trace)
+    inputs = [t for t in tree_flatten((trace.args, trace.kwargs))[0] if isinstance(t, TensorProxy)]
+    inputs += [t for b in trace.bound_symbols if b.sym.name.startswith("unpack") for t in b.flat_proxy_outs]
+    roots = {writes.root(t): t for t in inputs if isinstance(t, TensorProxy) and t.requires_grad}
+    for writer in trace.bound_symbols:
+        target = written_tensor(writer)
+        if (
+            target is not None
+            and not in_backward(writer)
+            and writer.kwargs.get("grad_enabled") is not False
+            and not _detached(writer)
+            and writes.root(target) in roots
+        ):
+            yield StaleRead(writer, roots[writes.root(target)], writer)
+
+
 def bypassed_writes(trace: TraceCtx) -> Iterator[StaleRead]:
     """The forward's reads, the return's included, of a written storage through a name that does
     not carry the write on (the written slice's base, another view), where a gradient may flow."""

@@ -385,6 +385,57 @@ def test_an_input_written_through_an_alias_before_its_first_read_trains_as_eager
     )
 
 
+def _scaled_in_place(x: torch.Tensor, r: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    x.mul_(3.0)
+    return x
+
+
+def _shifted_by_another(x: torch.Tensor, r: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    x.add_(r)
+    return x
+
+
+def _through_a_no_op_cast(x: torch.Tensor, r: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    c = x.to(x.dtype)  # x itself
+    c.mul_(3.0)
+    return nn.functional.linear(c, w)
+
+
+WRITES_INTO_AN_INPUT = {
+    "x.mul_(3); return x": _scaled_in_place,
+    "x.add_(r); return x": _shifted_by_another,
+    "x.to(x.dtype).mul_(3); linear": _through_a_no_op_cast,
+}
+
+
+@pytest.mark.parametrize("program", WRITES_INTO_AN_INPUT)
+def test_a_write_into_an_input_that_requires_grad_is_refused(program):
+    """Thunder 0.2.6 differentiates every in-place write into an input that requires grad (an
+    activation passed in) wrong: a third of eager's gradient after ``x.mul_(3)``, none for ``r``
+    after ``x.add_(r)``, none for ``x`` through ``x.to(x.dtype)``, silently. te_v2 refuses the
+    forward with gradients; without them it runs, with eager's values."""
+    fn = WRITES_INTO_AN_INPUT[program]
+    g = torch.Generator().manual_seed(0)
+    leaf, r, w = (torch.randn(16, 16, generator=g, requires_grad=True) for _ in range(3))
+    eager = fn(leaf * 1.0, r, w)
+    jitted = thunder.jit(fn, executors=[make_te_v2(backend="reference")])
+    with pytest.raises(RuntimeError, match="which requires grad, is written in place"):
+        jitted(leaf * 1.0, r, w)
+    with torch.no_grad():
+        torch.testing.assert_close(jitted(leaf * 1.0, r, w), eager.detach(), **TOLS)
+
+
+def test_thunder_alone_differentiates_a_write_into_an_input_wrong():
+    """Why the refusal above: Thunder without te_v2 gives ``x.mul_(3); return x`` a third of
+    eager's gradient. Should a Thunder release fix it, this fails, and the refusal can go."""
+    grads = []
+    for fn in (_scaled_in_place, thunder.jit(_scaled_in_place)):
+        leaf = torch.ones(4, 4, requires_grad=True)
+        fn(leaf * 1.0, None, None).square().sum().backward()
+        grads.append(leaf.grad)
+    torch.testing.assert_close(grads[1] * 3, grads[0])
+
+
 class _CopiedIntoACastsView(nn.Module):
     """Fuzz seed 20261213, program 422: a copy of ``b`` into a cast of ``a``, returned through a
     view of the cast, so the output's values, and in eager its gradient, are ``b``'s."""
