@@ -82,6 +82,16 @@ PIPELINE: tuple[Pass, ...] = (
         "the linears' symbols carry the provisional states their transforms made",
     ),
     Pass(
+        "input_writes",
+        lambda trace, context: stale_reads.refuse_writes_into_inputs_with_gradient(trace),
+        "a forward with gradients that writes in place into an input that requires grad (or into "
+        "what Thunder renames with one) raises: Thunder differentiates every such write wrong",
+        "before dead_writes, which drops a write into a cast of an input nothing reads after it, "
+        "though Thunder's gradient transform, taking the cast for the input, already lost the "
+        "input's gradient to it",
+        "writes into existing storage are explicit (copy_, update_aliases), as Writes reads them",
+    ),
+    Pass(
         "dead_writes",
         lambda trace, context: dead_writes.drop_dead_writes(trace),
         "an in-place write into storage the trace made (no input's) that nothing reads afterwards is "

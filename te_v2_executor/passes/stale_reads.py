@@ -29,7 +29,8 @@ _BYPASSED_WRITE = (
     "of place (`torch.where`, `torch.cat`), or run this without gradients."
 )
 _INPUT_WRITE = (
-    "te_v2: {tensor}, which requires grad, is written in place by {writer}. Thunder 0.2.6 "
+    "te_v2: {tensor}, which requires grad, is written in place by {writer} (itself, or through "
+    "another name Thunder takes for it: a view, a cast of it). Thunder 0.2.6 "
     "differentiates a write into an input that requires grad wrong (the input's gradient, or that "
     "of what the write reads, comes out None or without the write's factor), so the gradients would "
     "be silently wrong. Write into a copy (`x = x * 3`, or `x = x.clone()` first), pass an input "
@@ -58,17 +59,17 @@ def _refuse_lost_gradients(trace: TraceCtx) -> None:
         raise RuntimeError(f"{message} Here Thunder computes no gradient at all, so the forward is refused.")
 
 
-def _refuse_writes_into_inputs_with_gradient(trace: TraceCtx) -> None:
-    """Raises where the forward of a trace with gradients writes in place into an input that
-    requires grad (``view_writes.writes_into_inputs_with_gradient``). The forward is refused,
-    not only the backward: an input the function returns written is handed back to the caller as
-    it is, with its autograd history from before the call, so no backward of Thunder's runs to
-    refuse the write's gradient in (``x.add_(r); return x``: ``r`` silently got none)."""
+def refuse_writes_into_inputs_with_gradient(trace: TraceCtx) -> TraceCtx:
+    """``trace``, or an error where the forward of a trace with gradients writes in place into an
+    input that requires grad (``view_writes.writes_into_inputs_with_gradient``). The forward is
+    refused, not only the backward: an input the function returns written is handed back to the
+    caller as it is, with its autograd history from before the call, so no backward of Thunder's
+    runs to refuse the write's gradient in (``x.add_(r); return x``: ``r`` silently got none)."""
     ret = trace.bound_symbols[-1].args[0]
-    if not (isinstance(ret, dict) and "fw_flat_out" in ret):
-        return
-    if (write := next(writes_into_inputs_with_gradient(trace), None)) is not None:
+    joint = isinstance(ret, dict) and "fw_flat_out" in ret
+    if joint and (write := next(writes_into_inputs_with_gradient(trace), None)) is not None:
         raise RuntimeError(describe(Writes(trace), write, _INPUT_WRITE))
+    return trace
 
 
 def refuse_stale_reads(trace: TraceCtx) -> TraceCtx:
@@ -82,7 +83,6 @@ def refuse_stale_reads(trace: TraceCtx) -> TraceCtx:
     forward still runs, and a ``te_v2_refuse_backward`` that reads the returned gradients (so that
     Thunder's split puts it at the end of the backward, before they are returned) raises the error
     naming the tensor and the write. The forward is otherwise Thunder's and is left as it is."""
-    _refuse_writes_into_inputs_with_gradient(trace)
     grads = returned_grads(trace)
     if not grads:
         _refuse_lost_gradients(trace)

@@ -27,7 +27,7 @@ differentiated right.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from thunder.core import utils
@@ -233,20 +233,52 @@ def writes_into_inputs_with_gradient(trace: TraceCtx) -> Iterator[StaleRead]:
     read of the input by its writer: Thunder 0.2.6 differentiates every such write wrong, the
     input's gradient or that of what the write reads None or short of the write's factor
     (``x.mul_(3); return x`` gives a third of eager's gradient, ``x.add_(r)`` none to ``r``)."""
-    writes = Writes(trace)
+    writes, thunders = Writes(trace), _thunders_alias_groups(trace)
     inputs = [t for t in tree_flatten((trace.args, trace.kwargs))[0] if isinstance(t, TensorProxy)]
     inputs += [t for b in trace.bound_symbols if b.sym.name.startswith("unpack") for t in b.flat_proxy_outs]
-    roots = {writes.root(t): t for t in inputs if isinstance(t, TensorProxy) and t.requires_grad}
+    with_gradient = [t for t in inputs if isinstance(t, TensorProxy) and t.requires_grad]
+    roots = {writes.root(t): t for t in with_gradient}
+    groups = {thunders(t.name): t for t in with_gradient}
     for writer in trace.bound_symbols:
         target = written_tensor(writer)
         if (
-            target is not None
-            and not in_backward(writer)
-            and writer.kwargs.get("grad_enabled") is not False
-            and not _detached(writer)
-            and writes.root(target) in roots
+            target is None
+            or in_backward(writer)
+            or writer.kwargs.get("grad_enabled") is False
+            or _detached(writer)
         ):
-            yield StaleRead(writer, roots[writes.root(target)], writer)
+            continue
+        written = roots.get(writes.root(target))
+        if written is None:
+            written = groups.get(thunders(target.name))
+        if written is not None:
+            yield StaleRead(writer, written, writer)
+
+
+def _thunders_alias_groups(trace: TraceCtx) -> Callable[[str], str]:
+    """The groups of names Thunder takes to share storage, as its ``update_aliases`` renames them
+    together, by a representative name: a dtype-changing cast of an input is one of the input's
+    (``x.to(torch.bfloat16)``), which Thunder then differentiates as the input written (fuzz
+    ``--fuser inductor --seed 20261215`` program 173: ``x.grad`` None)."""
+    parent: dict[str, str] = {}
+
+    def find(name: str) -> str:
+        while parent.get(name, name) != name:
+            name = parent[name]
+        return name
+
+    def union(a: str, b: str) -> None:
+        parent[find(a)] = find(b)
+
+    for bsym in trace.bound_symbols:
+        if bsym.sym.name != "update_aliases":
+            continue
+        names = [a.name for a in bsym.args[0]]
+        for name in names[1:]:
+            union(name, names[0])
+        for out, name in zip(bsym.flat_proxy_outs, names, strict=False):
+            union(out.name, name)
+    return find
 
 
 def bypassed_writes(trace: TraceCtx) -> Iterator[StaleRead]:

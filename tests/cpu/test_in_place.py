@@ -401,10 +401,18 @@ def _through_a_no_op_cast(x: torch.Tensor, r: torch.Tensor, w: torch.Tensor) -> 
     return nn.functional.linear(c, w)
 
 
+def _into_a_cast_read_before(x: torch.Tensor, r: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    c = x.to(torch.bfloat16)  # a copy, which Thunder renames with x
+    f = c.float()
+    c.mul_(-1.0)
+    return nn.functional.linear(f, w)
+
+
 WRITES_INTO_AN_INPUT = {
     "x.mul_(3); return x": _scaled_in_place,
     "x.add_(r); return x": _shifted_by_another,
     "x.to(x.dtype).mul_(3); linear": _through_a_no_op_cast,
+    "c = x.to(bfloat16); linear(c.float()) after c.mul_(-1)": _into_a_cast_read_before,
 }
 
 
@@ -412,14 +420,16 @@ WRITES_INTO_AN_INPUT = {
 def test_a_write_into_an_input_that_requires_grad_is_refused(program):
     """Thunder 0.2.6 differentiates every in-place write into an input that requires grad (an
     activation passed in) wrong: a third of eager's gradient after ``x.mul_(3)``, none for ``r``
-    after ``x.add_(r)``, none for ``x`` through ``x.to(x.dtype)``, silently. te_v2 refuses the
-    forward with gradients; without them it runs, with eager's values."""
+    after ``x.add_(r)``, none for ``x`` through ``x.to(x.dtype)``, and none for ``x`` where the
+    write goes into a bfloat16 copy of it, which Thunder renames with ``x`` (fuzz ``--fuser
+    inductor --seed 20261215`` program 173), silently. te_v2 refuses the forward with gradients;
+    without them it runs, with eager's values."""
     fn = WRITES_INTO_AN_INPUT[program]
     g = torch.Generator().manual_seed(0)
     leaf, r, w = (torch.randn(16, 16, generator=g, requires_grad=True) for _ in range(3))
     eager = fn(leaf * 1.0, r, w)
     jitted = thunder.jit(fn, executors=[make_te_v2(backend="reference")])
-    with pytest.raises(RuntimeError, match="which requires grad, is written in place"):
+    with pytest.raises(RuntimeError, match="which requires grad, is written in place by"):
         jitted(leaf * 1.0, r, w)
     with torch.no_grad():
         torch.testing.assert_close(jitted(leaf * 1.0, r, w), eager.detach(), **TOLS)
@@ -451,12 +461,15 @@ class _CopiedIntoACastsView(nn.Module):
 def test_a_write_thunder_differentiates_to_no_gradient_is_refused_in_the_forward():
     """Thunder's gradient transform gives the program above no gradient at all, so its output
     did not require grad where eager's does, and ``b`` silently got none; with no backward to
-    refuse, te_v2 refuses the forward (Thunder alone fails in its backward with an assertion)."""
+    refuse, te_v2 refuses the forward (Thunder alone fails in its backward with an assertion).
+    The cast of ``a`` is one Thunder renames with ``a``, so the refusal of writes into an input
+    that requires grad comes first; the read through another name with no gradient at all is
+    refused after it."""
     a, b = (torch.randn(64, 64, requires_grad=True) for _ in range(2))
     _CopiedIntoACastsView()(a, b).float().sum().backward()
     assert b.grad is not None and b.grad.abs().sum() > 0
     jitted = thunder.jit(_CopiedIntoACastsView(), executors=[make_te_v2(backend="reference")])
-    with pytest.raises(RuntimeError, match="Thunder computes no gradient at all"):
+    with pytest.raises(RuntimeError, match="which requires grad, is written in place by"):
         jitted(a, b)
     with torch.no_grad():
         torch.testing.assert_close(jitted(a, b), _CopiedIntoACastsView()(a, b), rtol=0, atol=0)
