@@ -414,13 +414,16 @@ class Writes:
 
     def _taken(self, p: TensorProxy) -> int:
         """Where the forward took the values of ``p`` that the backward may read: where ``p`` was
-        made, or, for an input and for an op's result over its input's storage (a view,
-        ``F.dropout(x, p=0.0)``), whose backward reads none of its values, at the forward's first
-        read of ``p`` whose derivative does. Thunder renames only the views it knows of after a write, so the
+        made, or, for an input, for an op's result over its input's storage (a view,
+        ``F.dropout(x, p=0.0)``) and for the result of an op whose derivative reads no values (a
+        cast: ``x.to(torch.bfloat16)``), whose backward reads none of its values, at the
+        forward's first read of ``p`` whose derivative does. (An op such as ``exp`` reads its
+        own result in its backward, so there the values were taken where it was made.) Thunder renames only the views it knows of after a write, so the
         forward reads the others after it under their old names (``v = F.dropout(x, p=0.0);
         x.add_(v); linear(v)``), and their backward reads what those reads read."""
         made = self._defined.get(p.name, -1)
-        if p.name not in self._over_input and p.name not in self._inputs:
+        read_by_its_maker = made < 0 or self.bound_symbols[made].sym.name not in _VALUE_FREE_DERIVATIVES
+        if p.name not in self._over_input and p.name not in self._inputs and read_by_its_maker:
             return made
         for i in range(made + 1, len(self.bound_symbols)):
             bsym = self.bound_symbols[i]

@@ -446,6 +446,43 @@ def test_thunder_alone_differentiates_a_write_into_an_input_wrong():
     torch.testing.assert_close(grads[1] * 3, grads[0])
 
 
+class _MadeThenWrittenThroughAnAlias(nn.Module):
+    """Fuzz seed 20261216, program 479 (``maker="cast"``): a cast of the input written through
+    ``F.dropout(v, p=0.0)``, which is the cast itself, before a linear reads the cast. With
+    ``maker="exp"`` the tensor is made by ``exp``, whose backward reads it."""
+
+    def __init__(self, maker: str) -> None:
+        super().__init__()
+        self.maker = maker
+        self.a = nn.Linear(32, 32, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        v = x.to(torch.float64).float() if self.maker == "cast" else torch.exp(x)
+        alias = nn.functional.dropout(v, p=0.0)
+        alias.add_(v)
+        return self.a(v)
+
+
+def test_a_cast_written_through_an_alias_before_its_first_read_trains_as_eager():
+    """A cast's backward reads none of its values, so the linear's read after the write is where
+    the weight gradient's values were taken: no stale read (it was refused as one)."""
+    x = torch.randn(16, 32)
+    assert_like_eager(
+        _MadeThenWrittenThroughAnAlias("cast"), x, [make_te_v2(backend="reference")], grad=True, **TOLS
+    )
+
+
+def test_a_result_its_maker_reads_written_through_an_alias_refuses_the_backward():
+    """``exp`` reads its result in its backward, which the write changed: eager raises, and so
+    does te_v2's backward, where Thunder would use the written values."""
+    x = torch.randn(16, 32, requires_grad=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        _MadeThenWrittenThroughAnAlias("exp")(x).sum().backward()
+    jitted = thunder.jit(_MadeThenWrittenThroughAnAlias("exp"), executors=[make_te_v2(backend="reference")])
+    with pytest.raises(RuntimeError, match="modified by an in-place operation"):
+        jitted(x).sum().backward()
+
+
 class _CopiedIntoACastsView(nn.Module):
     """Fuzz seed 20261213, program 422: a copy of ``b`` into a cast of ``a``, returned through a
     view of the cast, so the output's values, and in eager its gradient, are ``b``'s."""
