@@ -417,8 +417,9 @@ class Writes:
         made, or, for an input, for an op's result over its input's storage (a view,
         ``F.dropout(x, p=0.0)``) and for the result of an op whose derivative reads no values (a
         cast: ``x.to(torch.bfloat16)``), whose backward reads none of its values, at the
-        forward's first read of ``p`` whose derivative does. (An op such as ``exp`` reads its
-        own result in its backward, so there the values were taken where it was made.) Thunder renames only the views it knows of after a write, so the
+        forward's first read of ``p`` whose derivative does (an op such as ``exp`` reads its own
+        result in its backward, so there the values were taken where it was made). Thunder
+        renames only the views it knows of after a write, so the
         forward reads the others after it under their old names (``v = F.dropout(x, p=0.0);
         x.add_(v); linear(v)``), and their backward reads what those reads read."""
         made = self._defined.get(p.name, -1)

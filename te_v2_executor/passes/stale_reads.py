@@ -45,14 +45,19 @@ _NO_GRAD_WRITE = (
 )
 
 
+def _with_gradients(trace: TraceCtx) -> bool:
+    """Whether ``trace`` is a joint trace, forward and backward, whose return holds ``fw_flat_out``."""
+    ret = trace.bound_symbols[-1].args[0]
+    return isinstance(ret, dict) and "fw_flat_out" in ret
+
+
 def _refuse_lost_gradients(trace: TraceCtx) -> None:
     """Raises where Thunder differentiated a program with gradients to nothing at all while the
     forward reads a written storage that carries gradient through another name (``view_writes``):
     Thunder then drops the gradient of that read, and with no backward there is nothing to refuse
     it in (``x0.to(torch.bfloat16).view(...)`` returned after a ``copy_`` into the cast: eager's
     output requires grad, Thunder's does not)."""
-    ret = trace.bound_symbols[-1].args[0]
-    if not (isinstance(ret, dict) and "fw_flat_out" in ret):
+    if not _with_gradients(trace):
         return
     if (bypass := next(bypassed_writes(trace), None)) is not None:
         message = describe(Writes(trace), bypass, _BYPASSED_WRITE)
@@ -65,9 +70,7 @@ def refuse_writes_into_inputs_with_gradient(trace: TraceCtx) -> TraceCtx:
     refused, not only the backward: an input the function returns written is handed back to the
     caller as it is, with its autograd history from before the call, so no backward of Thunder's
     runs to refuse the write's gradient in (``x.add_(r); return x``: ``r`` silently got none)."""
-    ret = trace.bound_symbols[-1].args[0]
-    joint = isinstance(ret, dict) and "fw_flat_out" in ret
-    if joint and (write := next(writes_into_inputs_with_gradient(trace), None)) is not None:
+    if _with_gradients(trace) and (write := next(writes_into_inputs_with_gradient(trace), None)) is not None:
         raise RuntimeError(describe(Writes(trace), write, _INPUT_WRITE))
     return trace
 

@@ -125,19 +125,24 @@ def _detached(bsym: BoundSymbol) -> bool:
     )
 
 
+def _inputs_with_gradient(trace: TraceCtx) -> list[TensorProxy]:
+    """The trace's inputs that require grad: its arguments and what it unpacks from them."""
+    inputs = [t for t in tree_flatten((trace.args, trace.kwargs))[0] if isinstance(t, TensorProxy)]
+    inputs += [t for b in trace.bound_symbols if b.sym.name.startswith("unpack") for t in b.flat_proxy_outs]
+    return [t for t in inputs if isinstance(t, TensorProxy) and t.requires_grad]
+
+
 def _differentiable_storage(trace: TraceCtx, writes: Writes) -> set[str]:
     """The storage roots of the forward's tensors that may carry a gradient: those that read an
     input which requires one, through any op (a comparison's included: an over-approximation)
     but one under ``torch.no_grad()``: a write there gives its target no gradient (a buffer
     updated from the activations, as a running statistic is), and any other op's result none."""
-    inputs = [t for t in tree_flatten((trace.args, trace.kwargs))[0] if isinstance(t, TensorProxy)]
-    marked = {writes.root(t) for t in inputs if t.requires_grad}
+    marked = {writes.root(t) for t in _inputs_with_gradient(trace)}
     for bsym in trace.bound_symbols:
         tensor_outs = [t for t in bsym.flat_proxy_outs if isinstance(t, TensorProxy)]
-        if bsym.sym.name.startswith("unpack"):
-            marked.update(writes.root(t) for t in tensor_outs if t.requires_grad)
-        elif (
-            not in_backward(bsym)
+        if (
+            not bsym.sym.name.startswith("unpack")
+            and not in_backward(bsym)
             and not _detached(bsym)
             and not (written_tensor(bsym) is not None and bsym.kwargs.get("grad_enabled") is False)
             and any(writes.root(a) in marked for a in bsym.flat_proxy_args if isinstance(a, TensorProxy))
@@ -234,9 +239,7 @@ def writes_into_inputs_with_gradient(trace: TraceCtx) -> Iterator[StaleRead]:
     input's gradient or that of what the write reads None or short of the write's factor
     (``x.mul_(3); return x`` gives a third of eager's gradient, ``x.add_(r)`` none to ``r``)."""
     writes, thunders = Writes(trace), _thunders_alias_groups(trace)
-    inputs = [t for t in tree_flatten((trace.args, trace.kwargs))[0] if isinstance(t, TensorProxy)]
-    inputs += [t for b in trace.bound_symbols if b.sym.name.startswith("unpack") for t in b.flat_proxy_outs]
-    with_gradient = [t for t in inputs if isinstance(t, TensorProxy) and t.requires_grad]
+    with_gradient = _inputs_with_gradient(trace)
     roots = {writes.root(t): t for t in with_gradient}
     groups = {thunders(t.name): t for t in with_gradient}
     for writer in trace.bound_symbols:
