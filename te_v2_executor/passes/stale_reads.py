@@ -18,6 +18,7 @@ from te_v2_executor.passes.view_writes import (
     bypassed_writes,
     no_grad_writes_read,
     writes_into_inputs_with_gradient,
+    written_inputs_returned,
 )
 from te_v2_executor.symbols import REFUSE_BACKWARD, SHARES_STORAGE
 
@@ -35,6 +36,13 @@ _INPUT_WRITE = (
     "of what the write reads, comes out None or without the write's factor), so the gradients would "
     "be silently wrong. Write into a copy (`x = x * 3`, or `x = x.clone()` first), pass an input "
     "that does not require grad, or call it under torch.no_grad()."
+)
+_RETURNED_INPUT_WRITE = (
+    "te_v2: {tensor}, which does not require grad, is returned after {writer} wrote a value that "
+    "does into it in place. Thunder 0.2.6 returns such an input as the caller passed it, without "
+    "the write's autograd history, so the gradient through that output would be silently lost. "
+    "Return a new tensor (`x = x + v` rather than `x.add_(v)`, or `return x.clone()`), or pass an "
+    "input that requires grad into a copy of it."
 )
 _NO_GRAD_WRITE = (
     "te_v2: {tensor} is read by {reader} after {writer} wrote into it under torch.no_grad(). "
@@ -66,12 +74,18 @@ def _refuse_lost_gradients(trace: TraceCtx) -> None:
 
 def refuse_writes_into_inputs_with_gradient(trace: TraceCtx) -> TraceCtx:
     """``trace``, or an error where the forward of a trace with gradients writes in place into an
-    input that requires grad (``view_writes.writes_into_inputs_with_gradient``). The forward is
-    refused, not only the backward: an input the function returns written is handed back to the
-    caller as it is, with its autograd history from before the call, so no backward of Thunder's
-    runs to refuse the write's gradient in (``x.add_(r); return x``: ``r`` silently got none)."""
-    if _with_gradients(trace) and (write := next(writes_into_inputs_with_gradient(trace), None)) is not None:
+    input that requires grad (``view_writes.writes_into_inputs_with_gradient``), or returns an
+    input that does not after writing a value that does into it (``written_inputs_returned``).
+    The forward is refused, not only the backward: an input the function returns written is
+    handed back to the caller as it is, with its autograd history from before the call, so no
+    backward of Thunder's runs to refuse the write's gradient in (``x.add_(r); return x``: ``r``
+    silently got none)."""
+    if not _with_gradients(trace):
+        return trace
+    if (write := next(writes_into_inputs_with_gradient(trace), None)) is not None:
         raise RuntimeError(describe(Writes(trace), write, _INPUT_WRITE))
+    if (write := next(written_inputs_returned(trace), None)) is not None:
+        raise RuntimeError(describe(Writes(trace), write, _RETURNED_INPUT_WRITE))
     return trace
 
 

@@ -125,11 +125,16 @@ def _detached(bsym: BoundSymbol) -> bool:
     )
 
 
-def _inputs_with_gradient(trace: TraceCtx) -> list[TensorProxy]:
-    """The trace's inputs that require grad: its arguments and what it unpacks from them."""
+def _inputs(trace: TraceCtx) -> list[TensorProxy]:
+    """The trace's tensor inputs: its arguments and what it unpacks from them."""
     inputs = [t for t in tree_flatten((trace.args, trace.kwargs))[0] if isinstance(t, TensorProxy)]
     inputs += [t for b in trace.bound_symbols if b.sym.name.startswith("unpack") for t in b.flat_proxy_outs]
-    return [t for t in inputs if isinstance(t, TensorProxy) and t.requires_grad]
+    return [t for t in inputs if isinstance(t, TensorProxy)]
+
+
+def _inputs_with_gradient(trace: TraceCtx) -> list[TensorProxy]:
+    """The trace's inputs that require grad."""
+    return [t for t in _inputs(trace) if t.requires_grad]
 
 
 def _differentiable_storage(trace: TraceCtx, writes: Writes) -> set[str]:
@@ -258,11 +263,67 @@ def writes_into_inputs_with_gradient(trace: TraceCtx) -> Iterator[StaleRead]:
             yield StaleRead(writer, written, writer)
 
 
-def _thunders_alias_groups(trace: TraceCtx) -> Callable[[str], str]:
+def written_inputs_returned(trace: TraceCtx) -> Iterator[StaleRead]:
+    """The forward's outputs that are an input of the trace which does not require grad, written
+    in place with a value that does (``x0.add_(lin(x1)); return x0 * 0.3, x0``), each as a read of
+    the input by its last writer. Thunder 0.2.6 returns the written input as the caller passed it,
+    without the write's autograd history, while its backward waits for that output's gradient
+    (``get_grad``): the gradient through it is silently lost where other outputs carry gradient
+    (``l0.weight.grad`` a tenth of eager's, fuzz seed 20261219 program 27), and ``backward`` raises
+    where none does. A ``shallow_copy`` of it (``x0.view(x0.shape)``) loses it the same way; a
+    view of another shape does not."""
+    thunders = _thunders_alias_groups(trace, as_returned=True)
+    plain = [t for t in _inputs(trace) if not t.requires_grad]
+    awaited = {b.args[0].name for b in trace.bound_symbols if b.sym.name == "get_grad"}
+    differentiable = _carrying_gradient(trace)
+
+    def same(a: TensorProxy, b: TensorProxy) -> bool:
+        return thunders(a.name) == thunders(b.name)
+
+    for out in _forward_outputs(trace):
+        if (
+            out.name not in awaited
+            or out.name not in differentiable
+            or (written := next((t for t in plain if same(out, t)), None)) is None
+        ):
+            continue
+        writer = next(
+            (
+                b
+                for b in reversed(trace.bound_symbols)
+                if (target := written_tensor(b)) is not None and not in_backward(b) and same(target, written)
+            ),
+            None,
+        )
+        if writer is not None:
+            yield StaleRead(writer, written, writer)
+
+
+def _carrying_gradient(trace: TraceCtx) -> set[str]:
+    """The names of the forward's tensors a gradient may flow through, by name, not storage: those
+    computed from an input that requires grad by symbols other than ``detach`` and those under
+    ``torch.no_grad()`` (a value written into an input from ``v.detach()`` gives it none)."""
+    marked = {t.name for t in _inputs_with_gradient(trace)}
+    for bsym in trace.bound_symbols:
+        if (
+            not in_backward(bsym)
+            and bsym.sym.name != "detach"
+            and not _detached(bsym)
+            and bsym.kwargs.get("grad_enabled") is not False
+            and any(a.name in marked for a in bsym.flat_proxy_args if isinstance(a, TensorProxy))
+        ):
+            marked.update(t.name for t in bsym.flat_proxy_outs if isinstance(t, TensorProxy))
+    return marked
+
+
+def _thunders_alias_groups(trace: TraceCtx, *, as_returned: bool = False) -> Callable[[str], str]:
     """The groups of names Thunder takes to share storage, as its ``update_aliases`` renames them
     together, by a representative name: a dtype-changing cast of an input is one of the input's
     (``x.to(torch.bfloat16)``), which Thunder then differentiates as the input written (fuzz
-    ``--fuser inductor --seed 20261215`` program 173: ``x.grad`` None)."""
+    ``--fuser inductor --seed 20261215`` program 173: ``x.grad`` None). With ``as_returned``, a
+    write's result is one with what it wrote into (``copy_`` returns its target itself) and a
+    ``shallow_copy`` (``x.view(x.shape)``) one with its input, so that a group holds the names
+    Thunder returns as one input, across its writes."""
     parent: dict[str, str] = {}
 
     def find(name: str) -> str:
@@ -281,6 +342,12 @@ def _thunders_alias_groups(trace: TraceCtx) -> Callable[[str], str]:
             union(name, names[0])
         for out, name in zip(bsym.flat_proxy_outs, names, strict=False):
             union(out.name, name)
+    if as_returned:
+        for bsym in trace.bound_symbols:
+            same = written_tensor(bsym) if bsym.sym.name != "shallow_copy" else bsym.args[0]
+            if same is not None:
+                for out in bsym.flat_proxy_outs:
+                    union(out.name, same.name)
     return find
 
 

@@ -151,7 +151,7 @@ def test_an_fp8_linear_saves_its_own_copy_so_a_later_write_is_harmless():
 
 
 def test_an_input_written_in_place_and_returned_carries_the_forward_flush():
-    linear = nn.Linear(64, 64)
+    linear = nn.Linear(64, 64).requires_grad_(False)  # with a gradient, refused (test below)
 
     def write_into(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         out.copy_(linear(x))
@@ -444,6 +444,78 @@ def test_thunder_alone_differentiates_a_write_into_an_input_wrong():
         fn(leaf * 1.0, None, None).square().sum().backward()
         grads.append(leaf.grad)
     torch.testing.assert_close(grads[1] * 3, grads[0])
+
+
+def _returned_after_a_write(x: torch.Tensor, r: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    x.add_(nn.functional.linear(r, w))
+    return x * 0.3, x
+
+
+def _returned_as_a_same_shape_view(
+    x: torch.Tensor, r: torch.Tensor, w: torch.Tensor
+) -> tuple[torch.Tensor, ...]:
+    x.copy_(nn.functional.linear(r, w))
+    return x * 0.3, x.view(x.shape)
+
+
+def _a_slice_returned_after_a_write(
+    x: torch.Tensor, r: torch.Tensor, w: torch.Tensor
+) -> tuple[torch.Tensor, ...]:
+    x.add_(nn.functional.linear(r, w))
+    return x * 0.3, x[1:]
+
+
+def _returned_after_a_write_without_gradient(
+    x: torch.Tensor, r: torch.Tensor, w: torch.Tensor
+) -> tuple[torch.Tensor, ...]:
+    y = nn.functional.linear(r, w)
+    x.add_(y.detach())
+    return y * 0.3, x
+
+
+RETURNED_WRITTEN_INPUTS = {
+    "x.add_(linear); return x * 0.3, x": (_returned_after_a_write, True),
+    "x.copy_(linear); return x * 0.3, x.view(x.shape)": (_returned_as_a_same_shape_view, True),
+    "x.add_(linear); return x * 0.3, x[1:]": (_a_slice_returned_after_a_write, False),
+    "x.add_(linear.detach()); return y * 0.3, x": (_returned_after_a_write_without_gradient, False),
+}
+
+
+@pytest.mark.parametrize("program", RETURNED_WRITTEN_INPUTS)
+def test_an_input_returned_after_a_write_with_gradient_is_refused(program):
+    """An input that does not require grad, written in place with a value that does and returned
+    as it is (or as a view of its own shape), loses the gradient through that output in Thunder
+    0.2.6: the written input comes back as the caller passed it (fuzz seed 20261219 program 27,
+    ``l0.weight.grad`` a tenth of eager's; seed 20261220 program 6, ``x1.grad`` None). te_v2
+    refuses the forward; a slice of it returned, or a value without gradient written, Thunder
+    differentiates right, and those run with eager's gradients."""
+    fn, refused = RETURNED_WRITTEN_INPUTS[program]
+    g = torch.Generator().manual_seed(0)
+    x, r = (torch.randn(16, 16, generator=g) for _ in range(2))
+    w = torch.randn(16, 16, generator=g, requires_grad=True)
+    eager = fn(x.clone(), r, w)
+    (expected,) = torch.autograd.grad(sum(o.square().sum() for o in eager), w)
+    jitted = thunder.jit(fn, executors=[make_te_v2(backend="reference")])
+    if refused:
+        with pytest.raises(RuntimeError, match="which does not require grad, is returned after"):
+            jitted(x.clone(), r, w)
+        return
+    (got,) = torch.autograd.grad(sum(o.square().sum() for o in jitted(x.clone(), r, w)), w)
+    torch.testing.assert_close(got, expected, **TOLS)
+
+
+def test_thunder_alone_loses_the_gradient_of_a_written_input_returned():
+    """Why the refusal above: Thunder without te_v2 returns the written input without the write's
+    history, so the weight's gradient lacks that output's part. Should a Thunder release fix it,
+    this fails, and the refusal can go."""
+    g = torch.Generator().manual_seed(0)
+    x, r = (torch.randn(16, 16, generator=g) for _ in range(2))
+    w = torch.randn(16, 16, generator=g, requires_grad=True)
+    grads = []
+    for fn in (_returned_after_a_write, thunder.jit(_returned_after_a_write)):
+        outputs = fn(x.clone(), r, w)
+        grads.append(torch.autograd.grad(sum(o.square().sum() for o in outputs if o.requires_grad), w)[0])
+    torch.testing.assert_close(grads[1], grads[0] * 0.09 / 1.09)  # (0.3 x)^2 kept, x^2 lost
 
 
 class _MadeThenWrittenThroughAnAlias(nn.Module):
