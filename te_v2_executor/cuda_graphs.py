@@ -68,11 +68,13 @@ from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
 from te_v2_executor.graph_memory import (
     ReleasePoints,
+    allocating_in,
     free_to_pool,
     owns_its_memory,
     pool_blocks,
     relocate_held,
     saved_only_outputs,
+    storage_start,
     storages,
 )
 from te_v2_executor.passes._writes import Writes, written_tensor
@@ -158,9 +160,7 @@ class TEv2CUDAGraphTransform(CUDAGraphTransform):
         for bsym in fused.bound_symbols:
             if bsym.sym.executor is not self:
                 continue
-            written = {
-                writes.root(t) for b in _unfused(bsym.subsymbols) if (t := written_tensor(b)) is not None
-            }
+            written = _written_roots(bsym.subsymbols, writes)
             self.cuda_graph_runner.written_arguments[bsym.sym.name] = tuple(
                 i for i, p in enumerate(bsym.args) if isinstance(p, TensorProxy) and writes.root(p) in written
             )
@@ -215,11 +215,13 @@ class _Replayed:
 
 @dataclass
 class _Pairing:
-    """How a backward graph is captured in its forward's pool: the forward's entry, and how many
-    of the graph's arguments reach each storage it frees, by where the storage starts."""
+    """How a backward graph is captured in its forward's pool: the forward's entry, how many of
+    the graph's arguments reach each storage it frees, by where the storage starts, and the
+    positions of the arguments it reads from copies it makes in that pool and frees there."""
 
     forward: _Replayed
     plan: dict[int, int]
+    pooled: list[int]
 
 
 @dataclass
@@ -284,6 +286,7 @@ class _CheckedRunner(CUDAGraphRunner):
         self.reuse_saved_memory = reuse_saved_memory
         self.saved_only: dict[str, frozenset[int]] = {}
         self.releasable: dict[str, list[int]] = {}
+        self.copies_releasable: dict[str, list[int]] = {}
         self.release_points: ReleasePoints | None = None
         self._shared: dict[int, torch.Tensor] = {}
         self._plan: dict[int, int] = {}
@@ -329,12 +332,16 @@ class _CheckedRunner(CUDAGraphRunner):
         under the graph's trace.
 
         In a backward, with the saved tensors' memory reused, the function frees each input it may
-        free (``ReleasePoints``) after its last reader, when capturing (``release``).
+        free (``ReleasePoints``: a saved tensor the forward's graph holds, or its own copy of
+        another input) after its last reader, when capturing (``release``).
         """
         points = self.release_points
         if self.reuse_saved_memory and points is not None:
             self.releasable[fn_name] = points.releasable(bsyms, inputs, outputs)
-            bsyms = points.with_releases(bsyms, inputs, self.releasable[fn_name])
+            written = _written_roots(bsyms, points.writes)
+            self.copies_releasable[fn_name] = points.copies_releasable(inputs, outputs, written)
+            freed = sorted((*self.releasable[fn_name], *self.copies_releasable[fn_name]))
+            bsyms = points.with_releases(bsyms, inputs, freed)
         signature = Signature(
             Parameter(getattr(p, "name", f"arg{i}"), Parameter.POSITIONAL_ONLY) for i, p in enumerate(inputs)
         )
@@ -371,7 +378,9 @@ class _CheckedRunner(CUDAGraphRunner):
         """How the backward graph ``name`` is captured in its forward's pool, or None where it
         frees nothing there: its arguments it may free (read in place, by no later symbol) over
         memory a forward graph's capture allocated for the backward alone, reached by none of its
-        other arguments."""
+        other arguments; and, where it frees some, its arguments it reads from copies that share
+        memory with no other argument and that it may free after its last read of them (a
+        cotangent as large as the logits), copied into that pool rather than memory of their own."""
         positions = [i for i in self.releasable.get(name, ()) if static_args_mask[i]]
         wanted = storages(args[i] for i in positions)
         forward = next((r for r in self.replayed.values() if r.saved_only.keys() & wanted.keys()), None)
@@ -390,18 +399,40 @@ class _CheckedRunner(CUDAGraphRunner):
                     and owns_its_memory(tensor)
                 ):
                     plan[at] = plan.get(at, 0) + 1
-        return _Pairing(forward, plan) if plan else None
+        if not plan:
+            return None
+        addresses = [_address(a, storage=True) for a in args]
+        pooled = [
+            i
+            for i in self.copies_releasable.get(name, ())
+            if not static_args_mask[i]
+            and type(args[i]) is torch.Tensor
+            and addresses[i] is not None
+            and addresses.count(addresses[i]) == 1
+        ]
+        return _Pairing(forward, plan, pooled)
 
     def _capture(
-        self, fn: Callable, args: list[Any], static_args_mask: tuple[bool, ...], stream: Any, pool: Any
+        self,
+        fn: Callable,
+        args: list[Any],
+        static_args_mask: tuple[bool, ...],
+        stream: Any,
+        pool: Any,
+        pooled: list[int],
     ) -> tuple:
         """Thunder's ``build_cuda_graph`` (copies of the arguments not read in place, three warm-up
         calls, one capture), on ``stream`` and into ``pool`` (a new pool for None), which a
-        forward graph and its backward's share."""
-        static_inputs = tuple(
-            a if in_place else self.get_static_buffer(a)
-            for a, in_place in zip(args, static_args_mask, strict=True)
-        )
+        forward graph and its backward's share; the copies of the arguments at ``pooled`` are
+        made in ``pool`` and planned to be freed there."""
+        static_inputs = []
+        for i, (a, in_place) in enumerate(zip(args, static_args_mask, strict=True)):
+            if i in pooled:
+                with allocating_in(pool, stream):
+                    a = self.get_static_buffer(a)
+                self._plan[storage_start(a)] = 1
+            static_inputs.append(a if in_place or i in pooled else self.get_static_buffer(a))
+        static_inputs = tuple(static_inputs)
         torch.cuda.synchronize()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
@@ -440,7 +471,9 @@ class _CheckedRunner(CUDAGraphRunner):
                 if stream is None:
                     built = super().build_cuda_graph(fn, args, static_args_mask)
                 else:
-                    built = self._capture(fn, args, static_args_mask, stream, pool)
+                    built = self._capture(
+                        fn, args, static_args_mask, stream, pool, pairing.pooled if pairing else []
+                    )
                 for i, value in zip(in_place_writes, values, strict=True):
                     args[i].copy_(value)
         finally:
@@ -718,6 +751,11 @@ def _identity(t: Any) -> int:
     if isinstance(t, torch.nn.Parameter):
         return id(t)
     return _address(t) or id(t)
+
+
+def _written_roots(bsyms: list[BoundSymbol], writes: Writes) -> set[str]:
+    """The roots (``writes``) of what ``bsyms``, fusions unfolded, write into in place."""
+    return {writes.root(t) for b in _unfused(bsyms) if (t := written_tensor(b)) is not None}
 
 
 def _unfused(bsyms: list[BoundSymbol]) -> list[BoundSymbol]:

@@ -9,7 +9,10 @@ its last read and reuses the memory. This module does what torch.compile's CUDA 
 for that: the backward graph is captured in its forward's pool, on the same stream, and each
 saved tensor only the backward reads is freed to that pool in the capture, after the backward's
 last read of it, so that the backward's later allocations (temporaries, gradients) reuse it. The
-forward's replays write there again at the next step.
+forward's replays write there again at the next step. The backward graph's copies of its other
+inputs (the cotangents: the logits' is as large as the logits) are made in that pool too and
+freed there after the graph's own last read of them (``ReleasePoints.copies_releasable``): each
+call copies into them after its forward's replay, the last to write there before it.
 
 What makes that safe, each checked here or by the runner (``cuda_graphs._CheckedRunner``):
 
@@ -28,9 +31,10 @@ What makes that safe, each checked here or by the runner (``cuda_graphs._Checked
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -104,14 +108,29 @@ class ReleasePoints:
         ``STATIC_MEMORY_LOCATION``) that nothing after the graph reads and that no output of it
         may share storage with."""
         end = max((self._position[id(b)] for b in bsyms if id(b) in self._position), default=-1)
-        returned = {self.writes.root(o) for o in _tensor_proxies(outputs)}
         return [
             i
+            for i, root in self._unreturned(inputs, outputs)
+            if ProxyTag.STATIC_MEMORY_LOCATION in inputs[i].tags and self._last.get(root, -1) <= end
+        ]
+
+    def copies_releasable(self, inputs: list[Any], outputs: list[Any], written: set[str]) -> list[int]:
+        """The positions of the graph's other inputs, which it reads from copies of its own (the
+        cotangents), that no output of it may share storage with and that it writes into none of
+        (``written``, by root: such a copy is written back after each replay): each copy may be
+        freed after the graph's own last read of it, whatever later graphs read."""
+        return [
+            i
+            for i, root in self._unreturned(inputs, outputs)
+            if ProxyTag.STATIC_MEMORY_LOCATION not in inputs[i].tags and root not in written
+        ]
+
+    def _unreturned(self, inputs: list[Any], outputs: list[Any]) -> list[tuple[int, str]]:
+        returned = {self.writes.root(o) for o in _tensor_proxies(outputs)}
+        return [
+            (i, root)
             for i, p in enumerate(inputs)
-            if isinstance(p, TensorProxy)
-            and ProxyTag.STATIC_MEMORY_LOCATION in p.tags
-            and (root := self.writes.root(p)) not in returned
-            and self._last.get(root, -1) <= end
+            if isinstance(p, TensorProxy) and (root := self.writes.root(p)) not in returned
         ]
 
     def with_releases(
@@ -196,6 +215,23 @@ def pool_blocks(device: torch.device, pool: tuple[int, int]) -> dict[int, int]:
                 blocks[address] = block["size"]
             address += block["size"]
     return blocks
+
+
+@contextlib.contextmanager
+def allocating_in(pool: tuple[int, int], stream: torch.cuda.Stream) -> Iterator[None]:
+    """Allocations of this thread on ``stream`` come from the graph memory pool ``pool`` (whose
+    blocks a capture on ``stream`` reuses) while the context lasts, as CUDA graph trees allocate
+    a graph's inputs."""
+    device = stream.device.index
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        torch._C._cuda_beginAllocateCurrentThreadToPool(device, pool)
+        try:
+            yield
+        finally:
+            torch._C._cuda_endAllocateToPool(device, pool)
+            torch._C._cuda_releasePool(device, pool)
+    torch.cuda.current_stream().wait_stream(stream)
 
 
 def free_to_pool(t: torch.Tensor) -> None:

@@ -691,9 +691,9 @@ def test_an_input_returned_is_the_callers_tensor(monkeypatch):
 def test_a_backward_graph_frees_each_saved_tensor_only_it_reads_after_its_last_reader(monkeypatch):
     """With ``reuse_saved_memory``, the forward graph's saved-only outputs are those the forward
     saves and neither returns to the caller nor reads outside its graphs; the backward graph calls
-    ``release`` with each of them it reads, read by nothing after the graph, once per call and
-    after its last reader, and with nothing else (the capture's plan then frees their memory,
-    on a GPU)."""
+    ``release`` with each of them it reads, read by nothing after the graph, and with each input
+    it reads from a copy of its own (a cotangent, a saved tensor made outside the graphs), once per call and after its last reader, and
+    with nothing else (the capture's plan then frees their memory, on a GPU)."""
     monkeypatch.setattr(CUDAGraphRunner, "build_cuda_graph", capture_taped)
     jitted = _trained()
     transform = TEv2CUDAGraphTransform(reuse_saved_memory=True)
@@ -712,10 +712,14 @@ def test_a_backward_graph_frees_each_saved_tensor_only_it_reads_after_its_last_r
     ((bwd_graph, freed),) = runner.releasable.items()
     bsyms, inputs, _ = runner.trace_symbols[bwd_graph]
     freed_names = {inputs[i].name for i in freed}
-    assert saved_only <= freed_names <= {p.name for p in _saved_tensors(backward_before)}
+    saved_before = {p.name for p in _saved_tensors(backward_before)}
+    assert saved_only <= freed_names <= saved_before
+    (copies,) = runner.copies_releasable.values()
+    copied_names = {inputs[i].name for i in copies}
+    assert copied_names - saved_before and not copied_names & freed_names  # a cotangent, and no saved-only
     points = ReleasePoints(backward_before, Writes(backward_before), lambda *t: None)
-    with_releases = points.with_releases(bsyms, inputs, freed)
-    for name in freed_names:
+    with_releases = points.with_releases(bsyms, inputs, sorted((*freed, *copies)))
+    for name in freed_names | copied_names:
         (at,) = [
             i for i, b in enumerate(with_releases) if b.sym.name == RELEASE_NAME and name in _arg_names(b)
         ]
@@ -737,7 +741,10 @@ def test_a_backward_graph_frees_each_saved_tensor_only_it_reads_after_its_last_r
     for _ in range(2):
         model(torch.randn(TOKENS, DIM)).sum().backward()
     (freeing,) = graphed.cuda_graph_runner.releasable.values()
-    assert sum(calls) == 4 * len(freeing)  # three warm-up calls and the capture; replays run no Python
+    (copying,) = graphed.cuda_graph_runner.copies_releasable.values()
+    assert sum(calls) == 4 * (
+        len(freeing) + len(copying)
+    )  # three warm-up calls and the capture; replays run no Python
 
 
 def _arg_names(bsym) -> set[str]:
