@@ -6,6 +6,14 @@ After three steps, one more runs under ``torch.cuda.memory._record_memory_histor
 allocations and frees gives the moment the step's allocated bytes peak and the blocks alive then,
 which are printed grouped by the frames that allocated them (te_v2's symbols, Thunder's traces,
 Inductor's kernels), largest first. Run one variant per process, as ``benchmarks.hf`` does.
+
+A step replayed from CUDA graphs allocates nothing: its memory is the graphs' pools, which their
+captures filled. ``--captures`` records the first step instead, whose captures allocate there, and
+replays only the pools' blocks: the most the pools hold at once, against what they reserve (the
+rest is fragments), and who allocated it.
+
+    python -m benchmarks.memory_peak --model 1b --captures \
+        --variant "thunderfx + te_v2 + CUDA graphs, saved memory reused"
 """
 
 from __future__ import annotations
@@ -40,12 +48,17 @@ def _site(frames: list[dict[str, Any]], depth: int = 4) -> str:
     )
 
 
-def live_at_peak(events: list[dict[str, Any]]) -> tuple[int, list[tuple[int, str]]]:
+def live_at_peak(
+    events: list[dict[str, Any]], within: list[tuple[int, int]] | None = None
+) -> tuple[int, list[tuple[int, str]]]:
     """The peak of the allocated bytes over ``events`` (a snapshot's device trace) and the blocks
-    alive then, as (bytes, allocation site)."""
+    alive then, as (bytes, allocation site); with ``within``, only of blocks inside those
+    (start, end) address ranges."""
     live: dict[int, tuple[int, str]] = {}
     current, peak, at_peak = 0, -1, []
     for e in events:
+        if within is not None and not any(start <= e["addr"] < end for start, end in within):
+            continue
         if e["action"] == "alloc":
             live[e["addr"]] = (e["size"], _site(e.get("frames", [])))
             current += e["size"]
@@ -56,18 +69,34 @@ def live_at_peak(events: list[dict[str, Any]]) -> tuple[int, list[tuple[int, str
     return peak, at_peak
 
 
+def graph_pool_ranges(segments: list[dict[str, Any]]) -> list[tuple[int, int]]:
+    """The address ranges of the ``segments`` (a snapshot's) that belong to a private pool, as a
+    CUDA graph's memory does."""
+    return [
+        (s["address"], s["address"] + s["total_size"])
+        for s in segments
+        if tuple(s["segment_pool_id"]) != (0, 0)
+    ]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=tuple(hf.MODELS), default="8b")
     parser.add_argument("--scenario", choices=hf.SCENARIOS, default="full")
     parser.add_argument("--variant", choices=tuple(hf.RUNNABLE), default="thunderfx + te_v2")
     parser.add_argument("--top", type=int, default=25, help="allocation sites printed")
+    parser.add_argument(
+        "--captures",
+        action="store_true",
+        help="record the first step, whose CUDA graph captures allocate the graphs' pools, and "
+        "replay only the pools' blocks: what a replay holds there at once",
+    )
     args = parser.parse_args(argv)
     build, fp8 = hf.RUNNABLE[args.variant]
     warm_up_process()
     model = hf.build_model(args.model, args.scenario)
     step = make_step(hf.loss_of(build(model)), model, hf.batch(args.model), fp8=fp8, training=True)
-    for _ in range(3):
+    for _ in range(0 if args.captures else 3):
         step()
     model.zero_grad(set_to_none=True)
     torch.cuda.synchronize()
@@ -76,14 +105,17 @@ def main(argv: list[str] | None = None) -> int:
     torch.cuda.synchronize()
     snapshot = torch.cuda.memory._snapshot()
     torch.cuda.memory._record_memory_history(enabled=None)
-    peak, blocks = live_at_peak(snapshot["device_traces"][torch.cuda.current_device()])
+    within = graph_pool_ranges(snapshot["segments"]) if args.captures else None
+    peak, blocks = live_at_peak(snapshot["device_traces"][torch.cuda.current_device()], within)
     sites: dict[str, list[int]] = collections.defaultdict(lambda: [0, 0])
     for size, site in blocks:
         sites[site][0] += size
         sites[site][1] += 1
-    print(
-        f"{args.variant}, {args.model} {args.scenario}: {peak / MiB:.0f} MiB allocated above the step's start"
-    )
+    where = "in the graphs' pools at once" if args.captures else "allocated above the step's start"
+    print(f"{args.variant}, {args.model} {args.scenario}: {peak / MiB:.0f} MiB {where}")
+    if args.captures:
+        reserved = sum(end - start for start, end in within)
+        print(f"the pools reserve {reserved / MiB:.0f} MiB in {len(within)} segments")
     print("| MiB | blocks | allocated at |\n| ---: | ---: | --- |")
     for site, (size, count) in sorted(sites.items(), key=lambda kv: -kv[1][0])[: args.top]:
         print(f"| {size / MiB:.0f} | {count} | `{site}` |")
