@@ -269,7 +269,7 @@ def written_inputs_returned(trace: TraceCtx) -> Iterator[StaleRead]:
     the input by its last writer. Thunder 0.2.6 returns the written input as the caller passed it,
     without the write's autograd history, while its backward waits for that output's gradient
     (``get_grad``): the gradient through it is silently lost where other outputs carry gradient
-    (``l0.weight.grad`` a tenth of eager's, fuzz seed 20261219 program 27), and ``backward`` raises
+    (``l0.weight.grad`` a twelfth of eager's, fuzz seed 20261219 program 27), and ``backward`` raises
     where none does. A ``shallow_copy`` of it (``x0.view(x0.shape)``) loses it the same way; a
     view of another shape does not."""
     thunders = _thunders_alias_groups(trace, as_returned=True)
