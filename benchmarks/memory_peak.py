@@ -19,6 +19,7 @@ rest is fragments), and who allocated it.
 from __future__ import annotations
 
 import argparse
+import bisect
 import collections
 import sys
 from typing import Any
@@ -54,10 +55,12 @@ def live_at_peak(
     """The peak of the allocated bytes over ``events`` (a snapshot's device trace) and the blocks
     alive then, as (bytes, allocation site); with ``within``, only of blocks inside those
     (start, end) address ranges."""
+    ranges = sorted(within or ())
+    starts = [start for start, _ in ranges]
     live: dict[int, tuple[int, str]] = {}
     current, peak, at_peak = 0, -1, []
     for e in events:
-        if within is not None and not any(start <= e["addr"] < end for start, end in within):
+        if within is not None and not _inside(e["addr"], starts, ranges):
             continue
         if e["action"] == "alloc":
             live[e["addr"]] = (e["size"], _site(e.get("frames", [])))
@@ -67,6 +70,12 @@ def live_at_peak(
         elif e["action"] == "free_completed" and e["addr"] in live:
             current -= live.pop(e["addr"])[0]
     return peak, at_peak
+
+
+def _inside(address: int, starts: list[int], ranges: list[tuple[int, int]]) -> bool:
+    """Whether ``address`` lies in one of the sorted, disjoint ``ranges`` (``starts``: theirs)."""
+    i = bisect.bisect_right(starts, address) - 1
+    return i >= 0 and address < ranges[i][1]
 
 
 def graph_pool_ranges(segments: list[dict[str, Any]]) -> list[tuple[int, int]]:

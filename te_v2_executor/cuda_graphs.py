@@ -431,7 +431,9 @@ class _CheckedRunner(CUDAGraphRunner):
                 with allocating_in(pool, stream):
                     a = self.get_static_buffer(a)
                 self._plan[storage_start(a)] = 1
-            static_inputs.append(a if in_place or i in pooled else self.get_static_buffer(a))
+            elif not in_place:
+                a = self.get_static_buffer(a)
+            static_inputs.append(a)
         static_inputs = tuple(static_inputs)
         torch.cuda.synchronize()
         stream.wait_stream(torch.cuda.current_stream())
