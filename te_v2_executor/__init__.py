@@ -23,6 +23,7 @@ from te_v2_executor.executor import (
 )
 from te_v2_executor.fsdp import FP8GatheredWeight, fp8_all_gather
 from te_v2_executor.inductor import inductor_ex
+from te_v2_executor.passes.stale_reads import RefusedProgram
 from te_v2_executor.recipes import RecipeSpec, Scaling, block_scaling, current_scaling, delayed_scaling
 from te_v2_executor.report import LinearReport, Report, explain
 from te_v2_executor.state import (
@@ -41,6 +42,7 @@ __all__ = [
     "LinearQuantState",
     "LinearReport",
     "RecipeSpec",
+    "RefusedProgram",
     "Report",
     "Scaling",
     "StateKey",

@@ -4,9 +4,10 @@ that must see Dynamo's whole graph, before Thunder's splitter cuts it into regio
 ``thunder.dynamo.thunderfx(model, executors=te_v2_executor.executors())`` runs te_v2 as well;
 this entry adds what an executor cannot do from inside one of Thunder's regions: attention masks
 proved causal when Dynamo compiles (``causal_masks``), which halves a causal attention's work and
-keeps the ops Hugging Face builds its mask from out of the split; and a warning where a linear of
-the model runs eagerly, outside what Dynamo compiled, so without te_v2 (a graph break Dynamo makes
-at each layer Hugging Face checkpoints, for one).
+keeps the ops Hugging Face builds its mask from out of the split; a region te_v2 refuses to
+compile, because Thunder would differentiate it wrong, run eagerly instead (``EagerOnRefusal``);
+and a warning where a linear of the model runs eagerly, outside what Dynamo compiled, so without
+te_v2 (a graph break Dynamo makes at each layer Hugging Face checkpoints, for one).
 """
 
 from __future__ import annotations
@@ -17,10 +18,11 @@ from typing import Any
 import torch
 from thunder.dynamo import ThunderCompiler
 from thunder.dynamo.compiler import ThunderFXCompiledObject
-from thunder.dynamo.utils import get_torch_compile_kwargs
+from thunder.dynamo.utils import SubgraphInfo, get_torch_compile_kwargs
 
 from te_v2_executor import causal_masks
 from te_v2_executor.executor import TEv2Executor, _warn_once, executors
+from te_v2_executor.passes.stale_reads import EAGER_FALLBACK_OPTION, RefusedProgram
 
 
 class TEv2Compiler(ThunderCompiler):
@@ -29,14 +31,75 @@ class TEv2Compiler(ThunderCompiler):
     ``causal_attentions`` counts the attentions ``causal_masks.fold`` made causal so far."""
 
     def __init__(self, *, fold_causal_masks: bool = True, **thunder_options: Any) -> None:
-        super().__init__(**thunder_options)
+        super().__init__(**{EAGER_FALLBACK_OPTION: True, **thunder_options})
         self.fold_causal_masks = fold_causal_masks
         self.causal_attentions = 0
 
     def __call__(self, gm: torch.fx.GraphModule, sample_args: list[Any]) -> Callable:
         if self.fold_causal_masks:
             self.causal_attentions += causal_masks.fold(gm)
-        return super().__call__(gm, sample_args)
+        split = super().__call__(gm, sample_args)
+        info = self.subgraph_infos[-1]
+        originals = {id(c.compiled_fn): m for m, c in info.submodule_to_compiled_functions.items()}
+        for name, region in list(split.named_children()):
+            if region in info.thunder_compiled_fns and (
+                eager := _eager_twin(region, originals.get(id(region)))
+            ):
+                where = f"region {name} of Dynamo's graph {len(self.subgraph_infos) - 1}"
+                setattr(split, name, EagerOnRefusal(region, eager, where, info))
+        return split
+
+
+class EagerOnRefusal(torch.nn.Module):
+    """One of Thunder's regions, run as Dynamo captured it, eagerly, once te_v2 refuses to compile
+    it (``RefusedProgram``).
+
+    te_v2 refuses a forward Thunder 0.2.6 would differentiate wrong (a write in place into the
+    region's input that requires grad, an activation a graph break hands over) while compiling
+    it, before any of it runs; the same call then runs the region's graph module (``eager``,
+    ``_eager_twin``), over the same parameters, with eager's gradients and its linears without
+    FP8, and warns once, naming the region (``where``) and the refusal. The refused function
+    leaves ``info.thunder_compiled_fns``, as it has no traces."""
+
+    def __init__(
+        self, jitted: torch.nn.Module, eager: torch.nn.Module, where: str, info: SubgraphInfo
+    ) -> None:
+        super().__init__()
+        self.jitted = jitted
+        self.eager = eager
+        self.where = where
+        self.refused = False
+        self._info = info
+
+    def forward(self, *args: Any) -> Any:
+        if not self.refused:
+            try:
+                return self.jitted(*args)
+            except RefusedProgram as e:
+                self.refused = True
+                self._info.thunder_compiled_fns.remove(self.jitted)
+                _warn_once(
+                    f"te_v2: {self.where} runs eagerly, its linears without te_v2 and so in the model's "
+                    f"dtype, because te_v2 refused to compile it: {e}"
+                )
+        return self.eager(*args)
+
+
+def _eager_twin(jitted: torch.nn.Module, original: torch.nn.Module | None) -> torch.nn.Module | None:
+    """What runs a Thunder region as Dynamo captured it: the copy Thunder's splitter kept from
+    before it rewrote checkpointed functions into Thunder's ops (which run only traced), where
+    that copy holds no parameter or buffer (Dynamo passes them in, so the copy reads the model's
+    own); else the region's own graph where it checkpoints nothing; else None (not wrapped)."""
+    if (
+        original is not None
+        and next(original.parameters(), None) is None
+        and next(original.buffers(), None) is None
+    ):
+        return original
+    graph = jitted._model
+    if any(n.target is torch.ops.higher_order.tag_activation_checkpoint for n in graph.graph.nodes):
+        return None
+    return graph
 
 
 def thunderfx(

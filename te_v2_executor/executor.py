@@ -13,7 +13,9 @@ import warnings
 from collections.abc import Iterable
 from typing import Any
 
-from thunder.core.compile_data import get_compile_data
+import thunder
+import torch
+from thunder.core.compile_data import get_compile_data, get_compile_option
 from thunder.core.symbol import BoundSymbol
 from thunder.core.trace import TraceCtx
 from thunder.extend import Executor, FusionExecutor
@@ -26,6 +28,7 @@ from te_v2_executor.compiled import module_input_names
 from te_v2_executor.config import ClaimPolicy, TEv2Config
 from te_v2_executor.fusers import after, broken_default_attention, fast_after_te_v2, missing_fuser
 from te_v2_executor.lowering import LinearLowering
+from te_v2_executor.passes.stale_reads import EAGER_FALLBACK_OPTION
 from te_v2_executor.recipes import RecipeSpec
 from te_v2_executor.state import registry_for
 from te_v2_executor.symbols import UNQUANTIZED_FWD, arg, in_backward, is_thunder_linear
@@ -111,10 +114,25 @@ class TEv2Executor(FusionExecutor):
                 isinstance(t, CUDAGraphTransform) for t in getattr(compile_data, "transforms", None) or ()
             ),
             inputs=inputs,
+            eager_fallback=bool(
+                get_compile_option(EAGER_FALLBACK_OPTION, "te_v2: a refused region runs eagerly")
+            ),
+            dynamo_region=isinstance(getattr(compile_data, "fn", None), torch.fx.GraphModule),
+            aliased_inputs=_aliased_inputs(),
         )
         new_trace = passes.run(trace, context, skip=self.config.skip_passes)
         report.record(compile_data, new_trace, report.report_from_trace(new_trace, decided, inputs))
         return new_trace
+
+
+def _aliased_inputs() -> list[list[int]]:
+    """The groups of positions among the compiled function's flattened arguments that share
+    storage in the call being compiled, as Thunder's cache records them ("0,2-1,3")."""
+    try:
+        recorded = thunder._get_cache_info().get("alias_tensor_indices", "")
+    except LookupError:  # not inside a thunder.jit call
+        return []
+    return [[int(i) for i in group.split(",")] for group in recorded.split("-") if group]
 
 
 te_v2 = TEv2Executor()

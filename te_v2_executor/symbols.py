@@ -466,6 +466,26 @@ SHARES_STORAGE = ops.register_operator(
 )
 
 
+# ---- inputs over one storage read as one: each call checks they are one view -----------------
+# (``passes/stale_reads.py``, ``refuse_aliased_inputs``): Thunder replaced each with the first.
+
+
+def _same_views_meta(*tensors, message):
+    return None
+
+
+def _same_views_impl(*tensors: torch.Tensor, message: str) -> None:
+    first = tensors[0]
+    for t in tensors[1:]:
+        if (t.data_ptr(), t.shape, t.stride()) != (first.data_ptr(), first.shape, first.stride()):
+            raise RuntimeError(message)
+
+
+SAME_VIEWS = ops.register_operator(
+    "te_v2_same_views", meta=_same_views_meta, fn=_same_views_impl, tags=(prims.OpTags.DONT_DCE,)
+)
+
+
 # ---- prologue guard: retrace when the te.autocast recipe changes ----------------------------
 
 

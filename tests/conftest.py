@@ -18,6 +18,14 @@ def reference_te_v2():
     return make_te_v2(backend="reference", claim=CLAIM_ALL)
 
 
+@pytest.fixture
+def dynamo_reset_after():
+    """Dynamo's cache emptied after the test: a later compile of the same model class on other
+    shapes would trace with dynamic ones."""
+    yield
+    torch._dynamo.reset()
+
+
 @pytest.fixture(autouse=True)
 def _fresh_fallback_warnings():
     """Fallback warnings are once per process; each test sees its own."""

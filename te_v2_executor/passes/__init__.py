@@ -56,6 +56,10 @@ class Context:
     grad_enabled: bool  # grad mode when the function was traced
     fusers: list[FusionExecutor]  # the fusion executors listed after te_v2
     graphed: bool = False  # a CUDA graph transform captures the traces
+    eager_fallback: bool = False  # a refused region runs eagerly (stale_reads.EAGER_FALLBACK_OPTION)
+    dynamo_region: bool = False  # the function is a graph Dynamo captured (a thunderfx region)
+    # groups of argument positions sharing storage at compile time, as Thunder's cache records them
+    aliased_inputs: list[list[int]] = field(default_factory=list)
     # the module's parameters and buffers by their proxies' names (compiled.module_input_names)
     inputs: Mapping[str, str] = field(default_factory=dict)
 
@@ -82,10 +86,23 @@ PIPELINE: tuple[Pass, ...] = (
         "the linears' symbols carry the provisional states their transforms made",
     ),
     Pass(
+        "aliased_inputs",
+        lambda trace, context: stale_reads.refuse_aliased_inputs(trace, context.aliased_inputs),
+        "a function that writes in place and gets inputs sharing storage (the same tensor twice, "
+        "views of one) raises: Thunder reads each as the first of its group and gives each the "
+        "whole gradient",
+        "before input_writes and every pass that reads the inputs, which Thunder already replaced",
+        "Thunder's cache recorded the inputs sharing storage when it compiled the function",
+    ),
+    Pass(
         "input_writes",
-        lambda trace, context: stale_reads.refuse_writes_into_inputs_with_gradient(trace),
+        lambda trace, context: stale_reads.refuse_writes_into_inputs_with_gradient(
+            trace, dynamo_region=context.dynamo_region
+        ),
         "a forward with gradients that writes in place into an input that requires grad (or into "
-        "what Thunder renames with one) raises: Thunder differentiates every such write wrong",
+        "what Thunder renames with one) raises: Thunder differentiates every such write wrong; in a "
+        "Dynamo region, so does one that writes a value with gradient into an input without (Dynamo "
+        "may return the input itself)",
         "before dead_writes, which drops a write into a cast of an input nothing reads after it, "
         "though Thunder's gradient transform, taking the cast for the input, already lost the "
         "input's gradient to it",
@@ -110,7 +127,7 @@ PIPELINE: tuple[Pass, ...] = (
     ),
     Pass(
         "stale_reads",
-        lambda trace, context: stale_reads.refuse_stale_reads(trace),
+        lambda trace, context: stale_reads.refuse_stale_reads(trace, eager_fallback=context.eager_fallback),
         "a backward that reads a tensor after an in-place write into it, or through a write Thunder "
         "differentiates as if it had not happened, raises",
         "before any pass moves a read: it judges the reads the user's program makes",

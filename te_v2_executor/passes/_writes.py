@@ -343,6 +343,19 @@ class Writes:
         -1 when none does."""
         return max((k for p in ps for k in self._write_positions(p)), default=-1)
 
+    def renamed_from(self, p: TensorProxy) -> TensorProxy:
+        """The tensor ``p`` renames through Thunder's ``update_aliases`` (the same tensor when it
+        runs), followed back to the first name that is no such rename; ``p`` itself otherwise."""
+        while (at := self._defined.get(p.name)) is not None and (
+            maker := self.bound_symbols[at]
+        ).sym.name == "update_aliases":
+            outs = _tensors(maker.flat_outs)
+            sources = _tensors(maker.flat_args)
+            if len(outs) != len(sources) or p.name not in {t.name for t in outs}:
+                break
+            p = sources[[t.name for t in outs].index(p.name)]
+        return p
+
     def written_since_made(self, p: TensorProxy, before: int) -> list[int]:
         """The positions of the writes into ``p``'s storage after ``p`` was made and before
         position ``before``: the writes a read of ``p`` at ``before`` sees that ``p`` did not hold."""

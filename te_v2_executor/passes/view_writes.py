@@ -74,12 +74,17 @@ def order_stale_reads(trace: TraceCtx) -> TraceCtx:
     Thunder renames a written storage's aliases before each op that reads one, but not in the
     return (its outputs, and its inputs as ``flat_args`` lists them for the split and autograd:
     ``x[:, :4].mul_(3)`` on an input was dropped) nor the aliases it takes for copies
-    (``h.ravel()[:8].mul_(3); b(h)``: b read h before the write, which the split then dropped)."""
+    (``h.ravel()[:8].mul_(3); b(h)``: b read h before the write, which the split then dropped).
+    A returned tensor counts as made where the tensor it renames was (``update_aliases``): Thunder
+    renames an input after a write through an alias it takes for a copy (``F.dropout(x, p=0.0)``,
+    the input itself) from the name before that write, and its split then dropped the write, so
+    the input came back unwritten (fuzz ``--fuser thunderfx --seed 20261224`` program 319)."""
     writes = Writes(trace)
     ordered: dict[tuple[str, int], TensorProxy] = {}
     inserted: dict[int, list[BoundSymbol]] = {}
 
-    def waiting(p: TensorProxy, before: int) -> TensorProxy | None:
+    def waiting(p: TensorProxy, before: int, *, renamed: bool = False) -> TensorProxy | None:
+        p = writes.renamed_from(p) if renamed else p
         written = _forward_writes(writes, p, before)
         markers = [t for t in written[-1].flat_proxy_outs if isinstance(t, TensorProxy)] if written else []
         if not markers:
@@ -90,8 +95,8 @@ def order_stale_reads(trace: TraceCtx) -> TraceCtx:
             inserted.setdefault(key[1] + 1, []).append(wait)
         return ordered[key]
 
-    def swaps(tensors: list[TensorProxy], before: int) -> dict[Any, TensorProxy]:
-        return {variableify(p): q for p in tensors if (q := waiting(p, before)) is not None}
+    def swaps(tensors: list[TensorProxy], before: int, *, renamed: bool = False) -> dict[Any, TensorProxy]:
+        return {variableify(p): q for p in tensors if (q := waiting(p, before, renamed=renamed)) is not None}
 
     swapped: dict[int, BoundSymbol] = {}
     for at, reader in enumerate(trace.bound_symbols[:-1]):
@@ -100,7 +105,7 @@ def order_stale_reads(trace: TraceCtx) -> TraceCtx:
         if swap := swaps([p for p in reader.flat_proxy_args if isinstance(p, TensorProxy)], at):
             swapped[id(reader)] = reader.from_bsym_swap_proxies(swap, skip_output=True)
     ret_bsym = trace.bound_symbols[-1]
-    if swap := swaps(_forward_outputs(trace, inputs=True), len(trace.bound_symbols) - 1):
+    if swap := swaps(_forward_outputs(trace, inputs=True), len(trace.bound_symbols) - 1, renamed=True):
         ret, keys = _returned(trace, inputs=True)
         renamed = {
             k: tree_map(lambda v: swap.get(variableify(v), v) if isinstance(v, TensorProxy) else v, ret[k])
@@ -243,10 +248,29 @@ def writes_into_inputs_with_gradient(trace: TraceCtx) -> Iterator[StaleRead]:
     read of the input by its writer: Thunder 0.2.6 differentiates every such write wrong, the
     input's gradient or that of what the write reads None or short of the write's factor
     (``x.mul_(3); return x`` gives a third of eager's gradient, ``x.add_(r)`` none to ``r``)."""
+    return _forward_writes_into(trace, _inputs_with_gradient(trace))
+
+
+def gradient_writes_into_inputs(trace: TraceCtx) -> Iterator[StaleRead]:
+    """The forward's writes of a value that requires grad into the storage of an input of the
+    trace that does not (``x0.copy_(x0 + x1)``), each as a read of the input by its writer. Eager
+    gives the caller's tensor the write's autograd history; Thunder 0.2.6 writes into it without
+    any, so a gradient through it after the call is silently lost: through
+    ``te_v2_executor.thunderfx``, Dynamo returns such an input itself, not the region's output
+    (fuzz ``--fuser thunderfx --seed 20261223`` program 57: ``x1.grad`` 0.73 off)."""
+    plain = [t for t in _inputs(trace) if not t.requires_grad]
+    return _forward_writes_into(trace, plain, carrying=_carrying_gradient(trace))
+
+
+def _forward_writes_into(
+    trace: TraceCtx, inputs: list[TensorProxy], *, carrying: set[str] | None = None
+) -> Iterator[StaleRead]:
+    """The forward's writes with gradients into the storage of one of ``inputs`` (or into what
+    Thunder renames with one), each as a read of the input by its writer; with ``carrying``, only
+    those that write a value named there."""
     writes, thunders = Writes(trace), _thunders_alias_groups(trace)
-    with_gradient = _inputs_with_gradient(trace)
-    roots = {writes.root(t): t for t in with_gradient}
-    groups = {thunders(t.name): t for t in with_gradient}
+    roots = {writes.root(t): t for t in inputs}
+    groups = {thunders(t.name): t for t in inputs}
     for writer in trace.bound_symbols:
         target = written_tensor(writer)
         if (
@@ -254,6 +278,12 @@ def writes_into_inputs_with_gradient(trace: TraceCtx) -> Iterator[StaleRead]:
             or in_backward(writer)
             or writer.kwargs.get("grad_enabled") is False
             or _detached(writer)
+        ):
+            continue
+        if carrying is not None and not any(
+            t.name in carrying
+            for t in writer.flat_proxy_args
+            if isinstance(t, TensorProxy) and t is not target
         ):
             continue
         written = roots.get(writes.root(target))

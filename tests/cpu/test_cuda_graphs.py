@@ -139,14 +139,6 @@ def _capture(self, fn, args, static_args_mask):
     return SimpleNamespace(replay=lambda: None), tuple(args), fn(*args)
 
 
-@pytest.fixture
-def dynamo_reset_after():
-    """Dynamo's cache emptied after the test: a later compile of the same model class on other
-    shapes would trace with dynamic ones."""
-    yield
-    torch._dynamo.reset()
-
-
 def test_thunderfx_makes_one_graph_of_each_trace_but_the_flushes(monkeypatch, dynamo_reset_after):
     """thunderfx asks for Thunder's dataflow fusion, which never groups a symbol tagged as the
     backward's (te_v2's) with one that is not (a fusion region): a Llama's backward was one graph

@@ -13,6 +13,7 @@ This module also holds the parsing and running helpers the GPU suite uses.
 from __future__ import annotations
 
 import contextlib
+import copy
 import io
 import linecache
 import re
@@ -176,9 +177,24 @@ def _check_fallback_warning(ns: dict[str, Any]) -> None:
     assert not bsyms_of(forward_trace(ns["jitted"]), LINEAR_FWD)
 
 
+def _check_eager_region(ns: dict[str, Any]) -> None:
+    """The first region runs te_v2, the refused one eagerly: the gradients are eager's."""
+    model = ns["model"]
+    (first, second) = ns["compiled"]._backend.subgraph_infos
+    assert len(first.thunder_compiled_fns) == 1 and not second.thunder_compiled_fns
+    twin = copy.deepcopy(model)
+    for p in twin.parameters():
+        p.grad = None
+    with contextlib.redirect_stdout(io.StringIO()):
+        twin(ns["x"]).sum().backward()
+    for p, expected in zip(model.parameters(), twin.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, expected.grad, rtol=1e-5, atol=1e-5)
+
+
 CPU_CHECKS: dict[str, Callable[[dict[str, Any]], None]] = {
     "reference-backend": _check_reference_backend,
     "fallback-warning": _check_fallback_warning,
+    "eager-region": _check_eager_region,
 }
 CPU_EXAMPLES = [name for name, example in EXAMPLES.items() if not example.gpu]
 

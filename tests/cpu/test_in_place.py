@@ -19,6 +19,7 @@ from torch.utils.checkpoint import checkpoint
 
 from te_v2_executor import ClaimPolicy, TEv2FallbackWarning, current_scaling, explain, make_te_v2
 from te_v2_executor.passes._writes import Writes, _auto_registered_function, written_tensor
+from te_v2_executor.passes.stale_reads import RefusedProgram
 from te_v2_executor.symbols import UNQUANTIZED_FWD, arg
 from tests.helpers import CLAIM_ALL, assert_like_eager, bsyms_of, forward_trace
 from tests.models import (
@@ -518,6 +519,163 @@ def test_thunder_alone_loses_the_gradient_of_a_written_input_returned():
     torch.testing.assert_close(grads[1], grads[0] * 0.09 / 1.09)  # (0.3 x)^2 kept, x^2 lost
 
 
+class _WriteAfterAGraphBreak(nn.Module):
+    """Two regions: the second gets ``h`` from the first, an activation that requires grad, and
+    writes into it in place before a linear reads it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(32, 32)
+        self.b = nn.Linear(32, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        torch._dynamo.graph_break()
+        h.mul_(2.0)
+        return self.b(h)
+
+
+def test_te_v2s_thunderfx_runs_a_region_it_refuses_eagerly(dynamo_reset_after):
+    """A region whose input, an activation a graph break hands over, is written in place is
+    refused when compiled (Thunder 0.2.6 differentiates it wrong: both of ``a``'s gradients and
+    ``x``'s below come out wrong without te_v2). Through ``te_v2_executor.thunderfx`` that region
+    runs eagerly instead, with one warning naming it, and the step gets eager's gradients; the
+    first region stays Thunder's. Through Thunder's own ``thunderfx`` the refusal stands."""
+    import te_v2_executor
+
+    torch.manual_seed(0)
+    model, x = _WriteAfterAGraphBreak(), torch.randn(8, 32, requires_grad=True)
+
+    def gradients(fn):
+        for t in (*model.parameters(), x):
+            t.grad = None
+        fn(x).square().sum().backward()
+        return [t.grad for t in (*model.parameters(), x)]
+
+    expected = gradients(model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ours = te_v2_executor.thunderfx(model, executors=[make_te_v2(backend="reference")])
+        got = gradients(ours)
+        again = gradients(ours)
+    refusals = [w for w in caught if "runs eagerly" in str(w.message)]
+    assert len(refusals) == 1 and issubclass(refusals[0].category, TEv2FallbackWarning)
+    message = str(refusals[0].message)
+    assert "region thunder_0 of Dynamo's graph 1 runs eagerly" in message and "which requires grad" in message
+    for g, a, e in zip(got, again, expected, strict=True):
+        torch.testing.assert_close(g, e, rtol=0, atol=0)
+        torch.testing.assert_close(a, e, rtol=0, atol=0)
+    assert [len(info.thunder_compiled_fns) for info in ours._backend.subgraph_infos] == [1, 0]
+    torch._dynamo.reset()
+    theirs = thunderfx(model, executors=[make_te_v2(backend="reference")])
+    with pytest.raises(RefusedProgram, match="which requires grad, is written in place"):
+        gradients(theirs)
+    torch._dynamo.reset()
+    thunders = gradients(thunderfx(model))
+    assert not torch.equal(thunders[0], expected[0]) and not torch.equal(thunders[-1], expected[-1])
+
+
+class _InputWrittenWithGradient(nn.Module):
+    """Fuzz ``--fuser thunderfx --seed 20261223`` program 57: ``x0``, which does not require grad,
+    gets a value that does, and Dynamo returns ``x0`` itself, not anything the region returns."""
+
+    def forward(self, x0: torch.Tensor, x1: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        v1 = x0 + x1
+        x0.copy_(v1)
+        return v1, x0
+
+
+def test_a_thunderfx_region_writing_a_gradient_into_an_input_is_refused(dynamo_reset_after):
+    """Through thunderfx the trace does not return the written input (Dynamo does), so the rule
+    for a written input returned does not see it: in a Dynamo region any write of a value with
+    gradient into an input without is refused. ``te_v2_executor.thunderfx`` runs the region
+    eagerly, with eager's gradients; Thunder's thunderfx with te_v2 raises; Thunder alone gives
+    ``x1`` a wrong gradient."""
+    import te_v2_executor
+
+    model = _InputWrittenWithGradient()
+
+    def gradient(fn):
+        g = torch.Generator().manual_seed(0)
+        x0, x1 = torch.randn(16, 16, generator=g), torch.randn(16, 16, generator=g, requires_grad=True)
+        v1, x0_after = fn(x0, x1)
+        (v1.square().sum() + (x0_after * 3).sum()).backward()
+        return x1.grad
+
+    expected = gradient(model)
+    with pytest.warns(TEv2FallbackWarning, match="which does not require grad, is written in place by"):
+        got = gradient(te_v2_executor.thunderfx(model, executors=[make_te_v2(backend="reference")]))
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    torch._dynamo.reset()
+    with pytest.raises(RefusedProgram, match="which does not require grad, is written in place by"):
+        gradient(thunderfx(model, executors=[make_te_v2(backend="reference")]))
+    torch._dynamo.reset()
+    assert not torch.equal(gradient(thunderfx(model)), expected)
+
+
+def _scaled_sum_written(a: torch.Tensor, b: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    y = nn.functional.linear(a * 2 + b * 3, w)
+    y.mul_(1.0)
+    return y
+
+
+def _scaled_sum(a: torch.Tensor, b: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return nn.functional.linear(a * 2 + b * 3, w)
+
+
+ALIASED_ARGUMENTS = {
+    "x, x": lambda base: (base[:, :16],) * 2,
+    "x[:, :16], x[:, 16:]": lambda base: (base[:, :16], base[:, 16:]),
+}
+
+
+@pytest.mark.parametrize("aliased", ALIASED_ARGUMENTS)
+@pytest.mark.parametrize("grad", [True, False], ids=["train", "no_grad"])
+def test_inputs_sharing_storage_in_a_function_that_writes_in_place_are_refused(aliased, grad):
+    """Thunder 0.2.6 reads each input of a group sharing storage as the group's first, where the
+    function writes in place anywhere: ``f(x[:, :16], x[:, 16:])`` computes with ``x[:, :16]``
+    twice, and ``f(x, x)`` gets twice eager's gradient. te_v2 refuses it with gradients; without,
+    ``f(x, x)`` runs and each call checks that the inputs are one view, so the same trace called
+    with two halves raises. Without the write, or with inputs of their own, it runs with eager's
+    values."""
+    g = torch.Generator().manual_seed(0)
+    leaf = torch.randn(16, 32, generator=g, requires_grad=True)
+    w = torch.randn(16, 16, generator=g)
+
+    def call(fn, args_of):
+        with torch.set_grad_enabled(grad):
+            return fn(*args_of(leaf * 1.0), w)
+
+    args_of = ALIASED_ARGUMENTS[aliased]
+    jitted = thunder.jit(_scaled_sum_written, executors=[make_te_v2(backend="reference")])
+    if grad:
+        with pytest.raises(RefusedProgram, match="share one storage"):
+            call(jitted, args_of)
+    elif aliased == "x, x":
+        torch.testing.assert_close(call(jitted, args_of), call(_scaled_sum_written, args_of), **TOLS)
+        with pytest.raises(RuntimeError, match="share one storage"):
+            call(jitted, ALIASED_ARGUMENTS["x[:, :16], x[:, 16:]"])
+    else:
+        with pytest.raises(RuntimeError, match="share one storage"):
+            call(jitted, args_of)
+    for fn, args in (
+        (_scaled_sum, args_of),
+        (_scaled_sum_written, lambda b: [t.clone() for t in args_of(b)]),
+    ):
+        expected = call(fn, args)
+        got = call(thunder.jit(fn, executors=[make_te_v2(backend="reference")]), args)
+        torch.testing.assert_close(got, expected, **TOLS)
+
+
+def test_thunder_alone_reads_a_view_input_as_another():
+    """Why the refusal above: Thunder without te_v2 computes ``f(x[:, :16], x[:, 16:])`` from
+    ``x[:, :16]`` twice. Should a Thunder release fix it, this fails, and the refusal can go."""
+    x, w = torch.randn(16, 32), torch.eye(16)
+    with torch.no_grad():
+        got = thunder.jit(_scaled_sum_written)(x[:, :16], x[:, 16:], w)
+    torch.testing.assert_close(got, x[:, :16] * 5)
+
+
 class _MadeThenWrittenThroughAnAlias(nn.Module):
     """Fuzz seed 20261216, program 479 (``maker="cast"``): a cast of the input written through
     ``F.dropout(v, p=0.0)``, which is the cast itself, before a linear reads the cast. With
@@ -533,6 +691,35 @@ class _MadeThenWrittenThroughAnAlias(nn.Module):
         alias = nn.functional.dropout(v, p=0.0)
         alias.add_(v)
         return self.a(v)
+
+
+class _InputWrittenThroughDropout(nn.Module):
+    """Fuzz ``--fuser thunderfx --seed 20261224`` program 319: ``F.dropout(x0, p=0.0)`` is ``x0``
+    itself, which Thunder takes for a copy, so its split dropped the write through it and the
+    input came back without it; a trainable linear makes the trace one with gradients."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1 = nn.Linear(64, 64, bias=False).requires_grad_(False)
+        self.l5 = nn.Linear(64, 8, bias=False)
+
+    def forward(self, x0: torch.Tensor) -> tuple[torch.Tensor]:
+        v1 = self.l1(x0)
+        x0.mul_(-1.0)
+        nn.functional.dropout(x0, p=0.0).copy_(v1)
+        self.l5(x0)
+        return (x0,)
+
+
+@pytest.mark.parametrize("jit", [thunder.jit, thunderfx], ids=["jit", "thunderfx"])
+def test_an_input_written_through_dropout_comes_back_written(jit, dynamo_reset_after):
+    model = _InputWrittenThroughDropout()
+    x = torch.randn(64, 64)
+    expected_x = x.clone()
+    (expected,) = model(expected_x)
+    (got,) = jit(model, executors=[make_te_v2(backend="reference", claim=ClaimPolicy(min_features=512))])(x)
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    torch.testing.assert_close(x, expected_x, rtol=0, atol=0)
 
 
 def test_a_cast_written_through_an_alias_before_its_first_read_trains_as_eager():
@@ -637,10 +824,13 @@ def test_an_input_written_through_a_view_is_written(grad):
     torch.testing.assert_close(x, expected_x, rtol=0, atol=0)
 
 
-def test_a_region_input_written_through_a_view_is_returned_written():
+def test_a_region_input_written_through_a_view_is_returned_written(dynamo_reset_after):
     """thunderfx gave the region ``v`` as an input (the splitter put its ``detach`` outside), so
     the write through its slice was a write through a view of an input, and ``v`` came back
-    without it (Thunder alone raises there)."""
+    without it (Thunder alone raises there). The region also gets ``v.detach()``, over ``v``'s
+    storage, in a trace with gradients (the linear's): refused, so ``te_v2_executor.thunderfx``
+    runs the region eagerly."""
+    import te_v2_executor
 
     class DetachedRead(nn.Module):
         def __init__(self) -> None:
@@ -654,9 +844,15 @@ def test_a_region_input_written_through_a_view_is_returned_written():
             return y, v
 
     model = DetachedRead()
-    assert_like_eager(
-        model, torch.randn(4, 16), [make_te_v2(backend="reference")], grad=False, jit=thunderfx, **TOLS
-    )
+    with pytest.warns(TEv2FallbackWarning, match="share one storage"):
+        assert_like_eager(
+            model,
+            torch.randn(4, 16),
+            [make_te_v2(backend="reference")],
+            grad=False,
+            jit=te_v2_executor.thunderfx,
+            **TOLS,
+        )
 
 
 # Ops that return their input itself: Thunder's dropout decomposes into ``shallow_copy``; PyTorch

@@ -36,7 +36,8 @@ def main(argv: list[str] | None = None) -> int:
         "--fuser",
         choices=tuple(FUSINGS),
         default="none",
-        help="te_v2 alone, or followed by torch.compile's executor with thunderfx's dataflow fusion",
+        help="te_v2 alone, or followed by torch.compile's executor with thunderfx's dataflow fusion, "
+        "or alone through te_v2_executor.thunderfx (Dynamo first)",
     )
     parser.add_argument(
         "--graphs",

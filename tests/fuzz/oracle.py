@@ -53,6 +53,7 @@ import torch
 from thunder.transforms.cudagraph import CUDAGraphRunner
 
 from te_v2_executor import ClaimPolicy, TEv2CUDAGraphTransform, current_scaling, delayed_scaling, make_te_v2
+from te_v2_executor.dynamo import EagerOnRefusal
 from te_v2_executor.recipes import RecipeSpec
 from tests.fuzz.programs import FUSINGS, Program
 from tests.helpers import capture_taped, eager_emulation
@@ -79,6 +80,7 @@ class Run:
     error: str | None = None
     error_at: str = ""  # the exception's type and the line that raised it
     routes: list[str] = field(default_factory=list)  # the emulation's route of each linear call
+    eager_regions: int = 0  # regions te_v2_executor.thunderfx ran eagerly, te_v2 having refused them
 
 
 @dataclass
@@ -157,6 +159,8 @@ def execute(program: Program, how: str, *, recipe: RecipeSpec | None = None, ste
         warnings.simplefilter("ignore")
         model = ns["make_model"]()
         fn: Callable[..., Any] = model
+        if program.fusing.dynamo:
+            torch._dynamo.reset()
         if how.startswith("te_v2"):
             te_v2 = make_te_v2(backend="reference", recipe=recipe, claim=claim)
             fn = program.fusing.jit(
@@ -172,10 +176,21 @@ def execute(program: Program, how: str, *, recipe: RecipeSpec | None = None, ste
                 run.routes = list(routes)
             else:
                 run = _one_step(program, model, fn, ns)
+            run.eager_regions = _eager_regions(fn)
             runs.append(run)
             if run.error:
                 break
     return runs
+
+
+def _eager_regions(fn: Any) -> int:
+    """How many of the regions ``fn`` (compiled by ``te_v2_executor.thunderfx``) runs eagerly."""
+    infos = getattr(getattr(fn, "_backend", None), "subgraph_infos", ())
+    return sum(
+        isinstance(m, EagerOnRefusal) and m.refused
+        for info in infos
+        for m in info.split_graph_module.modules()
+    )
 
 
 def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
@@ -256,6 +271,13 @@ def check(program: Program, *, delayed: bool = False, graphs: bool = False) -> V
     if te.error:
         verdict.status, verdict.kind = "fail", f"te_v2 raised ({te.error_at})"
         verdict.problems.append(f"te_v2 raised, eager did not: {te.error}")
+    elif te.eager_regions:  # those regions' linears ran unquantized: te_v2's are judged against eager
+        problems = []
+        verdict.errors["eager"] = _compare(
+            eager, te, "te_v2 (regions run eagerly) vs eager", FP8_RTOL, problems
+        )
+        if problems:
+            verdict.status, verdict.kind, verdict.problems = "fail", _mismatch("eager", problems), problems
     else:
         problems: list[str] = []
         verdict.errors["emulation"] = _compare(

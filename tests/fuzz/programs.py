@@ -114,29 +114,43 @@ class Fusing:
 
     executors: tuple[str, ...] = ()
     options: tuple[tuple[str, Any], ...] = ()
+    dynamo: bool = False  # through te_v2_executor.thunderfx (Thunder's own thunderfx without te_v2)
 
     def jit(self, model: Any, te_v2: Any = None, transforms: list | None = None) -> Any:
         """``model`` through Thunder, te_v2 first when given, with ``transforms``."""
         import thunder
+        import thunder.dynamo
+
+        import te_v2_executor
 
         executors = [*([te_v2] if te_v2 is not None else []), *map(thunder.get_executor, self.executors)]
-        return thunder.jit(model, executors=executors or None, transforms=transforms, **dict(self.options))
+        options = {**dict(self.options), **({"transforms": transforms} if transforms else {})}
+        if not self.dynamo:
+            return thunder.jit(model, executors=executors or None, **options)
+        if te_v2 is None:
+            return thunder.dynamo.thunderfx(model, dynamic=False, **options)
+        return te_v2_executor.thunderfx(model, executors=executors, dynamic=False, **options)
 
     def source(self, te_v2: str) -> str:
-        """The ``thunder.jit`` call of :meth:`jit`, with te_v2 as the name ``te_v2``, as source."""
+        """The compiling call of :meth:`jit`, with te_v2 as the name ``te_v2``, as source."""
         executors = ", ".join([te_v2, *(f"thunder.get_executor({e!r})" for e in self.executors)])
         options = "".join(f", {k}={v!r}" for k, v in self.options)
+        if self.dynamo:
+            return f"__import__('te_v2_executor').thunderfx(model, executors=[{executors}], dynamic=False{options})"
         return f"thunder.jit(model, executors=[{executors}]{options})"
 
 
 # ``--fuser`` choices: te_v2 alone, as ``thunder.jit(model, executors=[te_v2])`` compiles; or
 # followed by torch.compile's executor with the dataflow fusion thunderfx selects, which orders
 # the trace anew by its data dependencies: Thunder's, or te_v2's ``inductor_ex`` (the one
-# ``executors()`` lists), registered under its name by importing ``te_v2_executor.inductor``.
+# ``executors()`` lists), registered under its name by importing ``te_v2_executor.inductor``; or
+# te_v2 alone through ``te_v2_executor.thunderfx``, where Dynamo captures the program first and
+# a region te_v2 refuses runs eagerly.
 FUSINGS = {
     "none": Fusing(),
     "torch.compile": Fusing(("torchcompile",), (("fusion_type", "dataflow"),)),
     "inductor": Fusing(("te_v2_inductor",), (("fusion_type", "dataflow"),)),
+    "thunderfx": Fusing(dynamo=True),
 }
 
 
