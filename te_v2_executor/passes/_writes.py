@@ -349,11 +349,11 @@ class Writes:
         while (at := self._defined.get(p.name)) is not None and (
             maker := self.bound_symbols[at]
         ).sym.name == "update_aliases":
-            outs = _tensors(maker.flat_outs)
+            names = [t.name for t in _tensors(maker.flat_outs)]
             sources = _tensors(maker.flat_args)
-            if len(outs) != len(sources) or p.name not in {t.name for t in outs}:
+            if len(names) != len(sources) or p.name not in names:
                 break
-            p = sources[[t.name for t in outs].index(p.name)]
+            p = sources[names.index(p.name)]
         return p
 
     def written_since_made(self, p: TensorProxy, before: int) -> list[int]:

@@ -119,14 +119,15 @@ class Fusing:
     def jit(self, model: Any, te_v2: Any = None, transforms: list | None = None) -> Any:
         """``model`` through Thunder, te_v2 first when given, with ``transforms``."""
         import thunder
-        import thunder.dynamo
-
-        import te_v2_executor
 
         executors = [*([te_v2] if te_v2 is not None else []), *map(thunder.get_executor, self.executors)]
         options = {**dict(self.options), **({"transforms": transforms} if transforms else {})}
         if not self.dynamo:
             return thunder.jit(model, executors=executors or None, **options)
+        import thunder.dynamo
+
+        import te_v2_executor
+
         if te_v2 is None:
             return thunder.dynamo.thunderfx(model, dynamic=False, **options)
         return te_v2_executor.thunderfx(model, executors=executors, dynamic=False, **options)
