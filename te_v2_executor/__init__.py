@@ -22,6 +22,7 @@ from te_v2_executor.executor import (
     te_v2,
 )
 from te_v2_executor.fsdp import FP8GatheredWeight, fp8_all_gather
+from te_v2_executor.grouped_attention import grouped_scaled_dot_product_attention
 from te_v2_executor.inductor import inductor_ex
 from te_v2_executor.passes.stale_reads import RefusedProgram
 from te_v2_executor.recipes import RecipeSpec, Scaling, block_scaling, current_scaling, delayed_scaling
@@ -59,6 +60,7 @@ __all__ = [
     "executors",
     "explain",
     "fp8_all_gather",
+    "grouped_scaled_dot_product_attention",
     "inductor_ex",
     "load_quantization_state_dict",
     "make_te_v2",

@@ -12,10 +12,14 @@ boolean mask (additive masks, which may need one, are left to Thunder's SDPA exe
 
 It claims only what those kernels run as PyTorch's dispatcher would (``_checker``); anything else
 stays with the executors listed after it (Thunder's SDPA executor, then Thunder's decomposition).
+It also claims ``grouped_attention``'s symbol, an attention whose key and value heads are each
+shared by consecutive query heads, which cuDNN's kernels read as they are: the key and value
+saved for the backward are the unrepeated ones, and their gradients come out per key/value head.
 """
 
 from __future__ import annotations
 
+from functools import partial
 from numbers import Number
 from typing import Any
 
@@ -25,6 +29,8 @@ from thunder.core import dtypes
 from thunder.core.proxies import NumberProxy, TensorProxy, pyval
 from thunder.core.transforms import get_grad, put_grads
 from thunder.extend import OperatorExecutor, register_executor
+
+from te_v2_executor.grouped_attention import grouped_sdpa
 
 attention_ex = OperatorExecutor("te_v2_cudnn_attention", version="0.1")
 register_executor(attention_ex)
@@ -147,11 +153,12 @@ def _hopper(device: Any) -> bool:
 
 
 def _pytorch_runs_cudnn(
-    query: TensorProxy, key: TensorProxy, value: TensorProxy, attn_mask: Any, is_causal: bool
+    query: TensorProxy, key: TensorProxy, value: TensorProxy, attn_mask: Any, is_causal: bool, grouped: bool
 ) -> bool:
     """Whether PyTorch's own check of cuDNN attention (``can_use_cudnn_attention``: shapes,
-    layouts, cuDNN version, deterministic mode, what its backward needs) passes for tensors of
-    these shapes, laid out contiguously, on this GPU."""
+    layouts, cuDNN version, deterministic mode, what its backward needs, key/value heads shared
+    by query heads where ``grouped``) passes for tensors of these shapes, laid out contiguously,
+    on this GPU."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.backends.cuda import SDPAParams, can_use_cudnn_attention
 
@@ -165,7 +172,7 @@ def _pytorch_runs_cudnn(
     for t, proxy in zip(fake, (query, key, value, attn_mask), strict=True):
         if t is not None:
             t.requires_grad_(proxy.requires_grad)
-    return can_use_cudnn_attention(SDPAParams(*fake, 0.0, is_causal, False), False)
+    return can_use_cudnn_attention(SDPAParams(*fake, 0.0, is_causal, grouped), False)
 
 
 def _checker(
@@ -177,9 +184,11 @@ def _checker(
     is_causal: Any = False,
     *,
     scale: Any = None,
+    grouped: bool = False,
 ) -> bool:
     """Whether cuDNN's kernels run this attention as PyTorch's would: on a Hopper GPU, 16-bit
-    4-D query, key and value of one dtype, batch and heads, head dim a multiple of 8 up to 128,
+    4-D query, key and value of one dtype, batch and heads (with ``grouped``, key and value
+    heads that divide the query's, ``grouped_attention``), head dim a multiple of 8 up to 128,
     no dropout (its random state stays Thunder's), dropout, causal flag and scale known when
     tracing (a symbolic one would be frozen into the kernels' arguments), a causal flag only on
     square attention, a boolean mask of the attention's full sequence-by-sequence shape broadcast
@@ -195,8 +204,10 @@ def _checker(
         return False
     if any(t.device != query.device for t in qkv) or not torch.backends.cuda.cudnn_sdp_enabled():
         return False
-    (b, h, s_q, d), (_, _, s_kv, d_v) = query.shape, value.shape
-    if key.shape != (b, h, s_kv, d) or value.shape[:3] != (b, h, s_kv):
+    (b, h, s_q, d), (_, h_kv, s_kv, d_v) = query.shape, value.shape
+    if h_kv != h and not (grouped and 0 < h_kv < h and h % h_kv == 0):
+        return False
+    if key.shape != (b, h_kv, s_kv, d) or value.shape[0] != b:
         return False
     if not all(x % 8 == 0 and 0 < x <= _MAX_HEAD_DIM for x in (d, d_v)) or min(s_q, s_kv) == 0:
         return False
@@ -218,7 +229,7 @@ def _checker(
             and leading[1] in (1, h)
         ):
             return False
-    return _pytorch_runs_cudnn(query, key, value, attn_mask, is_causal)
+    return _pytorch_runs_cudnn(query, key, value, attn_mask, is_causal, grouped)
 
 
 def _execution_transform(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None):
@@ -240,9 +251,10 @@ def _scale(scale: Any) -> float | None:
     return None if scale is None else float(pyval(scale))
 
 
-attention_ex.register_implementation(
-    ltorch.scaled_dot_product_attention,
-    checker=_checker,
-    execution_transform=_execution_transform,
-    grad_transform=_grad_transform,
-)
+for _symbol, _grouped in ((ltorch.scaled_dot_product_attention, False), (grouped_sdpa, True)):
+    attention_ex.register_implementation(
+        _symbol,
+        checker=partial(_checker, grouped=_grouped),
+        execution_transform=_execution_transform,
+        grad_transform=_grad_transform,
+    )

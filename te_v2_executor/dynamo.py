@@ -20,7 +20,7 @@ from thunder.dynamo import ThunderCompiler
 from thunder.dynamo.compiler import ThunderFXCompiledObject
 from thunder.dynamo.utils import SubgraphInfo, get_torch_compile_kwargs
 
-from te_v2_executor import causal_masks
+from te_v2_executor import causal_masks, grouped_attention
 from te_v2_executor.executor import TEv2Executor, _warn_once, executors
 from te_v2_executor.passes.stale_reads import EAGER_FALLBACK_OPTION, RefusedProgram
 
@@ -28,16 +28,23 @@ from te_v2_executor.passes.stale_reads import EAGER_FALLBACK_OPTION, RefusedProg
 class TEv2Compiler(ThunderCompiler):
     """Thunder's torch.compile backend, after te_v2's graph rewrites of each graph Dynamo hands it.
 
-    ``causal_attentions`` counts the attentions ``causal_masks.fold`` made causal so far."""
+    ``causal_attentions`` counts the attentions ``causal_masks.fold`` made causal so far, and
+    ``grouped_attentions`` those ``grouped_attention.fold`` made read unrepeated keys and values."""
 
-    def __init__(self, *, fold_causal_masks: bool = True, **thunder_options: Any) -> None:
+    def __init__(
+        self, *, fold_causal_masks: bool = True, fold_grouped_attentions: bool = True, **thunder_options: Any
+    ) -> None:
         super().__init__(**{EAGER_FALLBACK_OPTION: True, **thunder_options})
         self.fold_causal_masks = fold_causal_masks
+        self.fold_grouped_attentions = fold_grouped_attentions
         self.causal_attentions = 0
+        self.grouped_attentions = 0
 
     def __call__(self, gm: torch.fx.GraphModule, sample_args: list[Any]) -> Callable:
         if self.fold_causal_masks:
             self.causal_attentions += causal_masks.fold(gm)
+        if self.fold_grouped_attentions:
+            self.grouped_attentions += grouped_attention.fold(gm)
         split = super().__call__(gm, sample_args)
         info = self.subgraph_infos[-1]
         originals = {id(c.compiled_fn): m for m, c in info.submodule_to_compiled_functions.items()}
@@ -103,11 +110,18 @@ def _eager_twin(jitted: torch.nn.Module, original: torch.nn.Module | None) -> to
 
 
 def thunderfx(
-    fn: Callable, /, *, fold_causal_masks: bool = True, warn_eager_linears: bool = True, **kwargs: Any
+    fn: Callable,
+    /,
+    *,
+    fold_causal_masks: bool = True,
+    fold_grouped_attentions: bool = True,
+    warn_eager_linears: bool = True,
+    **kwargs: Any,
 ) -> ThunderFXCompiledObject:
     """``fn`` compiled as ``thunder.dynamo.thunderfx`` compiles it, with ``executors()`` unless
-    ``executors=`` says otherwise, and attention masks proved causal run causal
-    (``fold_causal_masks``). Other keyword arguments go to ``torch.compile`` or ``thunder.jit``,
+    ``executors=`` says otherwise, attention masks proved causal run causal
+    (``fold_causal_masks``), and attentions over keys and values repeated to every query head read
+    the unrepeated ones (``fold_grouped_attentions``, ``grouped_attention``). Other keyword arguments go to ``torch.compile`` or ``thunder.jit``,
     as thunderfx's do (``transforms=[TEv2CUDAGraphTransform()]``, ``dynamic=False``).
 
     The result is thunderfx's: ``last_traces``, ``last_backward_traces`` and
@@ -125,7 +139,11 @@ def thunderfx(
         _warn_where_linears_run_eagerly(fn)
     compile_kwargs = get_torch_compile_kwargs(**kwargs)
     thunder_options = {k: v for k, v in kwargs.items() if k not in compile_kwargs}
-    backend = TEv2Compiler(fold_causal_masks=fold_causal_masks, **thunder_options)
+    backend = TEv2Compiler(
+        fold_causal_masks=fold_causal_masks,
+        fold_grouped_attentions=fold_grouped_attentions,
+        **thunder_options,
+    )
     return ThunderFXCompiledObject(backend, torch.compile(fn, backend=backend, **compile_kwargs))
 
 

@@ -44,6 +44,14 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="each program also under TEv2CUDAGraphTransform, captured by a CPU tape (--fuser none only)",
     )
+    parser.add_argument(
+        "--grouped-attention",
+        type=float,
+        default=0.0,
+        metavar="W",
+        help="weight of attentions over keys and values repeated as Hugging Face's repeat_kv does (0: none, "
+        "the programs seeds made before them)",
+    )
     parser.add_argument("-v", "--verbose", action="store_true", help="one line per program")
     args = parser.parse_args(argv)
     if args.graphs and args.fuser != "none":
@@ -51,11 +59,14 @@ def main(argv: list[str] | None = None) -> int:
             "--graphs needs --fuser none: the CPU tape that stands in for a graph cannot see Inductor's kernels"
         )
 
+    weights = Weights(grouped_attention=args.grouped_attention)
+    if args.measure:
+        weights = dataclasses.replace(weights, in_place_counts=(1.0,), lora_in_place=0.0)
     if args.show is not None:
         from tests.fuzz.oracle import check
         from tests.fuzz.programs import generate
 
-        program = dataclasses.replace(generate(args.seed, args.show), fusing=FUSINGS[args.fuser])
+        program = dataclasses.replace(generate(args.seed, args.show, weights), fusing=FUSINGS[args.fuser])
         print(program.source())
         print(check(program, delayed=True, graphs=args.graphs))
         return 0
@@ -96,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         shrink_budget_s=args.shrink_seconds,
         delayed_every=1 if args.measure else args.delayed_every,
         graphs=args.graphs,
-        weights=Weights(in_place_counts=(1.0,), lora_in_place=0.0) if args.measure else None,
+        weights=weights,
         fusing=FUSINGS[args.fuser],
         on_failure=on_failure,
         on_program=on_program,

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import linecache
+import math
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -379,6 +380,9 @@ class Weights:
     alias: float = 0.5  # an op that returns its input itself (``ALIASES``)
     checkpoint: float = 0.7
     no_grad: float = 0.4
+    # An attention over keys and values repeated as Hugging Face's ``repeat_kv`` repeats them
+    # (``grouped_attention``): 0 by default, so that seeds make the programs they made before it.
+    grouped_attention: float = 0.0
     # In-place ops per program: 0, 1, 2, 3.
     in_place_counts: tuple[float, ...] = (0.3, 0.4, 0.2, 0.1)
     # The target of an in-place op: weights by its number of reads (0, 1, 2 or more), times
@@ -724,6 +728,39 @@ class _Builder:
         self._emit(Op("checkpoint", template, (v,), out, tuple(linears), region))
         return True
 
+    def grouped_attention(self) -> bool:
+        """Heads of ``x`` attending, causally or not, to keys and values cut from ``x`` or another
+        value of its shape, fewer heads repeated to every query head as ``repeat_kv`` does."""
+        x = self._pick(lambda n, m: m.dtype == "float32" and m.shape[-1] % 8 == 0)
+        if x is None:
+            return False
+        m = self.meta[x]
+        kv_source = self._pick(lambda n, m2: m2 == m)
+        heads = self.rng.choice([h for h in (2, 4) if m.shape[-1] % h == 0])
+        kv_heads = self.rng.choice([k for k in (1, 2) if k < heads])
+        tokens, dim = math.prod(m.shape[:-1]), m.shape[-1] // heads
+
+        def heads_of(v: str, n: int) -> str:
+            return f"{v}[..., :{n * dim}].reshape(1, {tokens}, {n}, {dim}).transpose(1, 2)"
+
+        def repeated(heads_: str) -> str:
+            shape = f"1, {kv_heads}, {heads // kv_heads}, {tokens}, {dim}"
+            return f"({heads_})[:, :, None].expand({shape}).reshape(1, {heads}, {tokens}, {dim})"
+
+        # Keys through a nonlinearity, as RoPE turns them by position: a shift shared by every key
+        # (a linear's bias) leaves the softmax as it is, so its exact gradient would be 0 and
+        # every computed one rounding noise.
+        keys = f"torch.tanh({heads_of('{1}', kv_heads)})"
+        causal = self._chance(0.5)
+        attention = (
+            f"F.scaled_dot_product_attention({heads_of('{0}', heads)}, {repeated(keys)}, "
+            f"{repeated(heads_of('{0}' if self._chance(0.5) else '{1}', kv_heads))}, is_causal={causal})"
+        )
+        out = self._value(m)
+        template = f"{{out}} = {attention}.transpose(1, 2).reshape({', '.join(map(str, m.shape))})"
+        self._emit(Op("grouped_attention", template, (x, kv_source), out))
+        return True
+
     def no_grad(self) -> bool:
         v = self._pick(lambda n, m: m.dtype == "float32")
         if v is None:
@@ -808,7 +845,8 @@ class _Builder:
             "checkpoint",
             "no_grad",
             "swiglu",
-            "alias",  # last: with the weights of the kinds after swiglu 0, seeds make the programs they made before them
+            "alias",  # with the weights of the kinds after swiglu 0, seeds make the programs they made before them
+            "grouped_attention",
         ]
         weights = [getattr(w, k) for k in kinds]
         target = self.rng.randint(3, 12)

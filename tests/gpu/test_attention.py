@@ -175,3 +175,38 @@ def test_cudnns_kernels_run_and_no_mask_is_expanded_to_every_head():
         f"\npeak above inputs {peak / 2**20:.0f} MiB; a mask expanded to every head {expanded_mask / 2**20:.0f} MiB"
     )
     assert peak < expanded_mask
+
+
+def test_grouped_keys_and_values_run_on_cudnn_unrepeated():
+    """``grouped_scaled_dot_product_attention`` (what ``grouped_attention.fold`` makes of an
+    attention over Hugging Face's ``repeat_kv``) runs on cuDNN's kernels over the unrepeated key
+    and value, causal or masked: the forward's attention reads 4 key/value heads for 16 query
+    heads, and the output and every input gradient are what PyTorch eager computes over the
+    repeat, whose backward sums each repeated head's gradient over its group."""
+    from te_v2_executor import attention
+    from te_v2_executor.grouped_attention import grouped_scaled_dot_product_attention
+
+    b, h, kv, s, d = 2, 16, 4, 512, 64
+    g = torch.Generator("cuda").manual_seed(0)
+    inputs = [
+        torch.randn(b, n, s, d, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+        for n in (h, kv, kv)
+    ]
+    grad = torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16, generator=g)
+
+    def repeated(q, k, v, mask, **kwargs):
+        k, v = (t[:, :, None].expand(b, kv, h // kv, s, d).reshape(b, h, s, d) for t in (k, v))
+        return _sdpa(q, k, v, mask, **kwargs)
+
+    jitted = thunder.jit(grouped_scaled_dot_product_attention, executors=executors())
+    for mask, kwargs in ((None, dict(is_causal=True)), (_causal(b, s), dict(scale=0.1))):
+        ours = _run(jitted, inputs, mask, kwargs, grad)
+        eager = _run(repeated, inputs, mask, kwargs, grad)
+        for name, o, e in zip(("out", "dq", "dk", "dv"), ours, eager, strict=True):
+            assert o.shape == e.shape, name
+            torch.testing.assert_close(o, e, rtol=1e-2, atol=1e-2, msg=name)
+        (call,) = [
+            b for b in thunder.last_traces(jitted)[-1].bound_symbols if b.sym.id == attention.FORWARD.id
+        ]
+        assert [t.shape[1] for t in call.args[:3]] == [h, kv, kv]
+        assert "te_v2_cudnn_attention" in executors_run(thunder.last_backward_traces(jitted)[-1:])

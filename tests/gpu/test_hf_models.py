@@ -90,7 +90,8 @@ def test_every_projection_family_follows_bf16_eager(scenario, compiled_first):
 def test_te_v2s_thunderfx_runs_a_llamas_attentions_causal_on_cudnn(scenario):
     """``te_v2_executor.thunderfx``: the mask Hugging Face builds is proved causal
     (``causal_masks``), the model is one Thunder region, each attention runs on te_v2's cuDNN
-    attention with ``is_causal`` and no mask, and every projection family's gradients follow BF16
+    attention with ``is_causal`` and no mask, over the unrepeated keys and values
+    (``grouped_attention``), and every projection family's gradients follow BF16
     eager's as closely as through Thunder's thunderfx, where the attention reads the mask; under
     full fine-tuning the wgrads of o_proj, down_proj, and (but in the first layer) q_proj and
     gate_proj read their input cast again in the backward, under LoRA the adapters'."""
@@ -114,13 +115,16 @@ def test_te_v2s_thunderfx_runs_a_llamas_attentions_causal_on_cudnn(scenario):
         cosines[entry.__module__] = grad_cosines(grads, reference)
         if entry is te_v2_executor.thunderfx:
             (info,) = compiled._backend.subgraph_infos
-            assert (
-                not info.split_reasons and compiled._backend.causal_attentions == SMALL["num_hidden_layers"]
-            )
+            layers = SMALL["num_hidden_layers"]
+            assert not info.split_reasons and compiled._backend.causal_attentions == layers
+            assert compiled._backend.grouped_attentions == layers
             (fn,) = info.thunder_compiled_fns
             calls = [b for b in thunder.last_traces(fn)[-1].bound_symbols if b.sym.id == attention.FORWARD.id]
-            assert len(calls) == SMALL["num_hidden_layers"]
+            assert len(calls) == layers
             assert all(b.args[3] is None and b.args[4] is True for b in calls), [b.args[3:5] for b in calls]
+            # keys and values unrepeated (``grouped_attention``): 2 heads against the query's 4
+            heads = {(b.args[0].shape[1], b.args[1].shape[1], b.args[2].shape[1]) for b in calls}
+            assert heads == {(SMALL["num_attention_heads"], *[SMALL["num_key_value_heads"]] * 2)}, heads
             # the backward keeps the attention's output and the gate's and up's: o_proj's and
             # down_proj's wgrads read their input cast again (``input_recasts``); and each norm's
             # input and scale, from which the fuser computes q's (the shared cast's owner) and
