@@ -80,6 +80,26 @@ def test_refuses_what_cudnn_does_not_run_as_pytorch_would():
     assert not attention._checker(q, k, v, None, scale=FloatProxy(value=0.5)), "symbolic scale"
 
 
+def test_grouped_heads_are_claimed_only_for_the_grouped_symbol(monkeypatch):
+    """``grouped_attention``'s symbol reads key and value heads shared by consecutive query heads
+    (PyTorch's check asked with ``enable_gqa``); heads that do not divide the query's, or key and
+    value heads that differ, are refused."""
+    seen = []
+    monkeypatch.setattr(attention, "_pytorch_runs_cudnn", lambda *args: seen.append(args[-1]) or True)
+    q = proxy(B, H, S, D)
+    grouped = (proxy(B, H // 2, S, D), proxy(B, H // 2, S, D))
+    assert attention._checker(q, *grouped, None, grouped=True)
+    assert not attention._checker(q, *grouped, None)
+    assert seen == [True]
+    refused = {
+        "heads that do not divide": (proxy(B, 3, S, D), proxy(B, 3, S, D)),
+        "key and value heads differ": (proxy(B, 1, S, D), proxy(B, 2, S, D)),
+        "more key heads than query heads": (proxy(B, 2 * H, S, D), proxy(B, 2 * H, S, D)),
+    }
+    for name, (k, v) in refused.items():
+        assert not attention._checker(q, k, v, None, grouped=True), name
+
+
 def test_refuses_everything_off_hopper(monkeypatch):
     monkeypatch.setattr(attention, "_hopper", lambda device: False)
     assert not attention._checker(*qkv(), None)
@@ -91,4 +111,4 @@ def test_refuses_what_pytorchs_own_cudnn_check_refuses(monkeypatch):
     q, k, v = qkv()
     mask = proxy(B, 1, S, S, dtype=dtypes.bool8)
     assert not attention._checker(q, k, v, mask)
-    assert seen == [(q, k, v, mask, False)]
+    assert seen == [(q, k, v, mask, False, False)]
