@@ -33,7 +33,8 @@ import torch
 import torch.fx
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-_SDPA = torch.nn.functional.scaled_dot_product_attention
+from te_v2_executor.fx_nodes import SDPA, argument, static_shape
+
 # SDPA's positional parameters this pass reads or rewrites, by position and name.
 _ATTN_MASK, _IS_CAUSAL = (3, "attn_mask"), (5, "is_causal")
 
@@ -76,7 +77,7 @@ _READ_FUNCTIONS = (
             "log rsqrt sqrt mean sum cos sin where"
         ),
     )
-    | {_SDPA}
+    | {SDPA}
 )
 _READ_METHODS = _CONSTANT_METHODS | _words(
     "float double half bfloat16 type_as mul div pow sum mean cos sin exp matmul __mul__ __truediv__ "
@@ -99,10 +100,10 @@ def fold(gm: torch.fx.GraphModule) -> int:
     values: dict[torch.fx.Node, Any] = {}
     folded: list[torch.fx.Node] = []
     for node in graph.nodes:
-        if node.op != "call_function" or node.target is not _SDPA:
+        if node.op != "call_function" or node.target is not SDPA:
             continue
-        mask = _argument(node, *_ATTN_MASK, None)
-        if mask not in constant or _argument(node, *_IS_CAUSAL, False) is not False:
+        mask = argument(node, *_ATTN_MASK, None)
+        if mask not in constant or argument(node, *_IS_CAUSAL, False) is not False:
             continue
         made_of = _ancestry(mask, constant)
         if not _only_read(made_of):
@@ -194,20 +195,13 @@ def _exact(made_of: list[torch.fx.Node], values: dict[torch.fx.Node, Any]) -> bo
     return all(not (t.is_floating_point() or t.is_complex()) for t in tensors)
 
 
-def _static_shape(node: Any) -> tuple[int, ...] | None:
-    value = node.meta.get("example_value") if isinstance(node, torch.fx.Node) else None
-    if not isinstance(value, torch.Tensor) or not all(isinstance(d, int) for d in value.shape):
-        return None
-    return tuple(value.shape)
-
-
 def _is_causal_for(attention: torch.fx.Node, mask: Any) -> bool:
     """Whether boolean ``mask`` is what ``is_causal=True`` means for ``attention``: for query
     length L and key length S, ``ones(L, S).tril()`` in its last two dims, and leading dims that
     broadcast to the query's without enlarging them (eager refuses a mask that would widen the
     output, and Dynamo's run with fake tensors lets some through)."""
-    query = _static_shape(_argument(attention, 0, "query", None))
-    key = _static_shape(_argument(attention, 1, "key", None))
+    query = static_shape(argument(attention, 0, "query", None))
+    key = static_shape(argument(attention, 1, "key", None))
     if query is None or key is None or len(query) < 2 or len(key) < 2:
         return False
     if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or not 2 <= mask.dim() <= len(query):
@@ -225,12 +219,6 @@ def _is_causal_for(attention: torch.fx.Node, mask: Any) -> bool:
             *(range(1 if st == 0 else n) for n, st in zip(leading, mask.stride()[:-2], strict=True))
         )
         return all(torch.equal(mask[index], causal) for index in slices)
-
-
-def _argument(node: torch.fx.Node, index: int, name: str, default: Any) -> Any:
-    if len(node.args) > index:
-        return node.args[index]
-    return node.kwargs.get(name, default)
 
 
 def _rewrite(node: torch.fx.Node, values: dict[tuple[int, str], Any]) -> None:

@@ -121,8 +121,9 @@ def thunderfx(
     """``fn`` compiled as ``thunder.dynamo.thunderfx`` compiles it, with ``executors()`` unless
     ``executors=`` says otherwise, attention masks proved causal run causal
     (``fold_causal_masks``), and attentions over keys and values repeated to every query head read
-    the unrepeated ones (``fold_grouped_attentions``, ``grouped_attention``). Other keyword arguments go to ``torch.compile`` or ``thunder.jit``,
-    as thunderfx's do (``transforms=[TEv2CUDAGraphTransform()]``, ``dynamic=False``).
+    the unrepeated ones (``fold_grouped_attentions``, ``grouped_attention``). Other keyword
+    arguments go to ``torch.compile`` or ``thunder.jit``, as thunderfx's do
+    (``transforms=[TEv2CUDAGraphTransform()]``, ``dynamic=False``).
 
     The result is thunderfx's: ``last_traces``, ``last_backward_traces`` and
     ``_backend.subgraph_infos`` work alike. With ``warn_eager_linears``, each ``nn.Linear`` of a

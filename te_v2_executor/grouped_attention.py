@@ -27,9 +27,9 @@ import thunder.core.jit_ext as jit_ext
 import thunder.torch as ltorch
 import torch
 import torch.fx
-import torch.nn.functional as F
 
-_SDPA = F.scaled_dot_product_attention
+from te_v2_executor.fx_nodes import SDPA, argument, static_shape
+
 # SDPA's positional parameters after query, key and value, by name: the rewrite passes them on.
 _PARAMETERS = ("attn_mask", "dropout_p", "is_causal")
 
@@ -49,7 +49,7 @@ def grouped_scaled_dot_product_attention(
     ``repeat_kv``."""
     groups = _groups(query, key, value)
     key, value = (t.repeat_interleave(groups, dim=-3) for t in (key, value))
-    return _SDPA(query, key, value, attn_mask, dropout_p, is_causal, scale=scale)
+    return SDPA(query, key, value, attn_mask, dropout_p, is_causal, scale=scale)
 
 
 def _groups(query: Any, key: Any, value: Any) -> int:
@@ -105,11 +105,12 @@ def _fold(gm: torch.fx.GraphModule) -> int:
     graph = gm.graph
     rewritten = 0
     for node in list(graph.nodes):
-        if node.op != "call_function" or node.target is not _SDPA or node.kwargs.get("enable_gqa"):
+        if node.op != "call_function" or node.target is not SDPA or node.kwargs.get("enable_gqa"):
             continue
-        query = _argument(node, 0, "query")
-        repeats = [_argument(node, i, name) for i, name in ((1, "key"), (2, "value"))]
-        sources = [_unrepeated(r, _shape(query)) for r in repeats]
+        query = argument(node, 0, "query")
+        query_shape = static_shape(query)
+        repeats = [argument(node, i, name) for i, name in ((1, "key"), (2, "value"))]
+        sources = [_unrepeated(r, query_shape) for r in repeats]
         if None in sources or len(node.args) > 3 + len(_PARAMETERS):
             continue
         kwargs = {k: v for k, v in node.kwargs.items() if k not in ("key", "value", "query", "enable_gqa")}
@@ -144,18 +145,18 @@ def _unrepeated(node: Any, query: tuple[int, ...] | None) -> torch.fx.Node | Non
     ``expand`` of the tensor with a unit dim put at 2), with fewer heads than the query; or None."""
     if query is None or len(query) != 4 or not _is(node, "reshape", "view", torch.reshape):
         return None
-    expanded = _argument(node, 0, "input")
+    expanded = argument(node, 0, "input")
     if not _is(expanded, "expand", None, torch.broadcast_to):
         return None
-    unsqueezed = _argument(expanded, 0, "input")
+    unsqueezed = argument(expanded, 0, "input")
     if not (
-        _is(unsqueezed, "unsqueeze", None, torch.unsqueeze) and _argument(unsqueezed, 1, "dim") == 2
+        _is(unsqueezed, "unsqueeze", None, torch.unsqueeze) and argument(unsqueezed, 1, "dim") == 2
     ) and not (
         _is(unsqueezed, "__getitem__", None, operator.getitem) and _is_unsqueeze_at_2(unsqueezed.args[1])
     ):
         return None
-    source = _argument(unsqueezed, 0, "input")
-    shapes = [_shape(n) for n in (source, unsqueezed, expanded, node)]
+    source = argument(unsqueezed, 0, "input")
+    shapes = [static_shape(n) for n in (source, unsqueezed, expanded, node)]
     if None in shapes or len(shapes[0]) != 4:
         return None
     (b, h, s, d), inserted, repeated, result = shapes
@@ -238,16 +239,3 @@ _IN_PLACE_OPERATORS = frozenset(
     [*(getattr(operator, n) for n in _IN_PLACE.split()), operator.setitem, operator.delitem]
 )
 _IN_PLACE_DUNDERS = frozenset([*(f"__{n}__" for n in _IN_PLACE.split()), "__setitem__", "__delitem__"])
-
-
-def _shape(node: Any) -> tuple[int, ...] | None:
-    value = node.meta.get("example_value") if isinstance(node, torch.fx.Node) else None
-    if not isinstance(value, torch.Tensor) or not all(isinstance(d, int) for d in value.shape):
-        return None
-    return tuple(value.shape)
-
-
-def _argument(node: torch.fx.Node, index: int, name: str) -> Any:
-    if len(node.args) > index:
-        return node.args[index]
-    return node.kwargs.get(name)
