@@ -4,7 +4,10 @@ that must see Dynamo's whole graph, before Thunder's splitter cuts it into regio
 ``thunder.dynamo.thunderfx(model, executors=te_v2_executor.executors())`` runs te_v2 as well;
 this entry adds what an executor cannot do from inside one of Thunder's regions: attention masks
 proved causal when Dynamo compiles (``causal_masks``), which halves a causal attention's work and
-keeps the ops Hugging Face builds its mask from out of the split; a region te_v2 refuses to
+keeps the ops Hugging Face builds its mask from out of the split; grouped-query attentions over
+unrepeated keys and values (``grouped_attention``); checkpointed functions no gradient flows
+through called inline, where Thunder would keep their linears from te_v2
+(``gradless_checkpoints``); a region te_v2 refuses to
 compile, because Thunder would differentiate it wrong, run eagerly instead (``EagerOnRefusal``);
 and a warning where a linear of the model runs eagerly, outside what Dynamo compiled, so without
 te_v2 (a graph break Dynamo makes at each layer Hugging Face checkpoints, for one).
@@ -20,7 +23,7 @@ from thunder.dynamo import ThunderCompiler
 from thunder.dynamo.compiler import ThunderFXCompiledObject
 from thunder.dynamo.utils import SubgraphInfo, get_torch_compile_kwargs
 
-from te_v2_executor import causal_masks, grouped_attention
+from te_v2_executor import causal_masks, gradless_checkpoints, grouped_attention
 from te_v2_executor.executor import TEv2Executor, _warn_once, executors
 from te_v2_executor.passes.stale_reads import EAGER_FALLBACK_OPTION, RefusedProgram
 
@@ -28,8 +31,10 @@ from te_v2_executor.passes.stale_reads import EAGER_FALLBACK_OPTION, RefusedProg
 class TEv2Compiler(ThunderCompiler):
     """Thunder's torch.compile backend, after te_v2's graph rewrites of each graph Dynamo hands it.
 
-    ``causal_attentions`` counts the attentions ``causal_masks.fold`` made causal so far, and
-    ``grouped_attentions`` those ``grouped_attention.fold`` made read unrepeated keys and values."""
+    ``causal_attentions`` counts the attentions ``causal_masks.fold`` made causal so far,
+    ``grouped_attentions`` those ``grouped_attention.fold`` made read unrepeated keys and values,
+    and ``inlined_checkpoints`` the checkpointed functions no gradient flows through that
+    ``gradless_checkpoints.inline`` called inline, so that te_v2 runs their linears."""
 
     def __init__(
         self, *, fold_causal_masks: bool = True, fold_grouped_attentions: bool = True, **thunder_options: Any
@@ -39,8 +44,10 @@ class TEv2Compiler(ThunderCompiler):
         self.fold_grouped_attentions = fold_grouped_attentions
         self.causal_attentions = 0
         self.grouped_attentions = 0
+        self.inlined_checkpoints = 0
 
     def __call__(self, gm: torch.fx.GraphModule, sample_args: list[Any]) -> Callable:
+        self.inlined_checkpoints += gradless_checkpoints.inline(gm)
         if self.fold_causal_masks:
             self.causal_attentions += causal_masks.fold(gm)
         if self.fold_grouped_attentions:
@@ -120,8 +127,9 @@ def thunderfx(
 ) -> ThunderFXCompiledObject:
     """``fn`` compiled as ``thunder.dynamo.thunderfx`` compiles it, with ``executors()`` unless
     ``executors=`` says otherwise, attention masks proved causal run causal
-    (``fold_causal_masks``), and attentions over keys and values repeated to every query head read
-    the unrepeated ones (``fold_grouped_attentions``, ``grouped_attention``). Other keyword
+    (``fold_causal_masks``), attentions over keys and values repeated to every query head read
+    the unrepeated ones (``fold_grouped_attentions``, ``grouped_attention``), and checkpointed
+    functions no gradient flows through called inline (``gradless_checkpoints``). Other keyword
     arguments go to ``torch.compile`` or ``thunder.jit``, as thunderfx's do
     (``transforms=[TEv2CUDAGraphTransform()]``, ``dynamic=False``).
 

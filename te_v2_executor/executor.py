@@ -14,6 +14,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import thunder
+import thunder.torch as ltorch
 import torch
 from thunder.core.compile_data import get_compile_data, get_compile_option
 from thunder.core.symbol import BoundSymbol
@@ -92,8 +93,9 @@ class TEv2Executor(FusionExecutor):
         return decided
 
     def fusion_pass(self, trace: TraceCtx) -> TraceCtx:
-        """Warn once when nothing after te_v2 fuses elementwise ops and once per fallback te_v2
-        could not avoid (the claim policy's choices are only reported), run the passes
+        """Warn once when nothing after te_v2 fuses elementwise ops, once per fallback te_v2 could
+        not avoid (the claim policy's choices are only reported) and once per linear Thunder kept
+        from te_v2 inside a checkpointed function (``_kept_in_checkpoints``), run the passes
         (``passes.PIPELINE``) on the joint trace, and record the report of the trace they return."""
         compile_data = get_compile_data()
         if self.config.backend is Backend.TE and compile_data is not None:
@@ -104,6 +106,15 @@ class TEv2Executor(FusionExecutor):
                 desc = decision.operands.describe()
                 _warn_once(
                     f"te_v2: linear {desc} runs on Thunder's default path: {report.fallback_rule(decision)}"
+                )
+        for linear in _kept_in_checkpoints(trace):
+            if (decision := self.lowering.decide(*linear.args, **linear.kwargs)).fp8:
+                _warn_once(
+                    f"te_v2: linear {decision.operands.describe()} runs unquantized, in the model's "
+                    "dtype: it is inside a checkpointed function nothing needs a gradient of, which "
+                    "Thunder keeps whole, out of te_v2's reach; compile with te_v2_executor.thunderfx, "
+                    "which calls such functions inline, or leave torch.utils.checkpoint out where no "
+                    "gradient is wanted"
                 )
         inputs = module_input_names()
         context = passes.Context(
@@ -123,6 +134,18 @@ class TEv2Executor(FusionExecutor):
         new_trace = passes.run(trace, context, skip=self.config.skip_passes)
         report.record(compile_data, new_trace, report.report_from_trace(new_trace, decided, inputs))
         return new_trace
+
+
+def _kept_in_checkpoints(trace: TraceCtx) -> list[BoundSymbol]:
+    """The linears inside the checkpointed functions of ``trace`` that no backward decomposed
+    (``gradless_checkpoints``): the fuser after te_v2 runs each such call whole."""
+    pending = [b for b in trace.bound_symbols if b.sym.id == ltorch.checkpoint.id]
+    linears = []
+    while pending:
+        bsym = pending.pop()
+        linears += [b for b in bsym.subsymbols if is_thunder_linear(b)]
+        pending += [b for b in bsym.subsymbols if not is_thunder_linear(b)]
+    return linears
 
 
 def _aliased_inputs() -> list[list[int]]:

@@ -1,5 +1,6 @@
-"""What the rewrites of Dynamo's graphs (``causal_masks``, ``grouped_attention``) read off a node:
-an argument wherever the call passes it, and the static shape Dynamo traced a value with."""
+"""What the rewrites of Dynamo's graphs (``causal_masks``, ``grouped_attention``,
+``gradless_checkpoints``) read off a node: an argument wherever the call passes it, the static
+shape Dynamo traced a value with, and the graph of a function the node checkpoints."""
 
 from __future__ import annotations
 
@@ -26,3 +27,15 @@ def static_shape(node: Any) -> tuple[int, ...] | None:
     if not isinstance(value, torch.Tensor) or not all(isinstance(d, int) for d in value.shape):
         return None
     return tuple(value.shape)
+
+
+def checkpointed(node: torch.fx.Node) -> torch.fx.GraphModule | None:
+    """The graph of the function ``node`` checkpoints (``torch.utils.checkpoint`` under Dynamo), if
+    it is such a call."""
+    if node.op != "call_function" or node.target is not torch.ops.higher_order.tag_activation_checkpoint:
+        return None
+    body = node.args[0]
+    if not isinstance(body, torch.fx.Node) or body.op != "get_attr":
+        return None
+    module = getattr(node.graph.owning_module, body.target, None)
+    return module if isinstance(module, torch.fx.GraphModule) else None

@@ -28,7 +28,7 @@ import thunder.torch as ltorch
 import torch
 import torch.fx
 
-from te_v2_executor.fx_nodes import SDPA, argument, static_shape
+from te_v2_executor.fx_nodes import SDPA, argument, checkpointed, static_shape
 
 # SDPA's positional parameters after query, key and value, by name: the rewrite passes them on.
 _PARAMETERS = ("attn_mask", "dropout_p", "is_causal")
@@ -101,7 +101,7 @@ def fold(gm: torch.fx.GraphModule) -> int:
 
 def _fold(gm: torch.fx.GraphModule) -> int:
     """``fold`` of a graph that writes nothing in place: its checkpointed functions', then its own."""
-    folded = sum(_fold(body) for body in map(_checkpointed, gm.graph.nodes) if body is not None)
+    folded = sum(_fold(body) for body in map(checkpointed, gm.graph.nodes) if body is not None)
     graph = gm.graph
     rewritten = 0
     for node in list(graph.nodes):
@@ -126,18 +126,6 @@ def _fold(gm: torch.fx.GraphModule) -> int:
     if rewritten:
         gm.recompile()
     return folded + rewritten
-
-
-def _checkpointed(node: torch.fx.Node) -> torch.fx.GraphModule | None:
-    """The graph of the function ``node`` checkpoints (``torch.utils.checkpoint`` under Dynamo), if
-    it is such a call."""
-    if node.op != "call_function" or node.target is not torch.ops.higher_order.tag_activation_checkpoint:
-        return None
-    body = node.args[0]
-    if not isinstance(body, torch.fx.Node) or body.op != "get_attr":
-        return None
-    module = getattr(node.graph.owning_module, body.target, None)
-    return module if isinstance(module, torch.fx.GraphModule) else None
 
 
 def _unrepeated(node: Any, query: tuple[int, ...] | None) -> torch.fx.Node | None:
@@ -216,7 +204,7 @@ def _may_write(node: torch.fx.Node) -> bool:
     target = node.target
     if node.op == "call_method":
         return target in _IN_PLACE_DUNDERS or _in_place_name(target)
-    if (body := _checkpointed(node)) is not None:
+    if (body := checkpointed(node)) is not None:
         return any(_may_write(n) for n in body.graph.nodes)
     if isinstance(target, torch._ops.HigherOrderOperator):
         return True

@@ -1,6 +1,6 @@
 """Programs at the edges, on TransformerEngine: in-place writes around folded GEMMs, a backward
 that reads a tensor written after it was saved, or that Thunder would differentiate past a write
-through a view, batches of no tokens."""
+through a view, batches of no tokens, a checkpointed function no gradient flows through."""
 
 from __future__ import annotations
 
@@ -9,9 +9,11 @@ import warnings
 import pytest
 import thunder
 import torch
+from torch.utils.checkpoint import checkpoint
 
-from te_v2_executor import TEv2FallbackWarning, explain, make_te_v2
-from tests.gpu.common import DTYPE, jit_te_v2, requires_te_gpu, train_step
+from te_v2_executor import TEv2FallbackWarning, executors, explain, make_te_v2, thunderfx
+from te_v2_executor.symbols import LINEAR_FWD
+from tests.gpu.common import DTYPE, delayed_recipe, jit_te_v2, requires_te_gpu, train_step
 from tests.helpers import CLAIM_ALL, assert_like_eager
 from tests.models import (
     SavedThenWritten,
@@ -89,3 +91,42 @@ def test_a_batch_of_no_tokens_runs_and_leaves_the_state_alone(shape, recipe, gra
         assert all(torch.equal(p.grad, torch.zeros_like(p)) for p in model.parameters())
     after = [s.scaling(forward=True).scale for s in states if s.recipe.stateful]
     assert all(torch.equal(b, a) for b, a in zip(before, after, strict=True))
+
+
+class _CheckpointedMLP(torch.nn.Module):
+    """An MLP whose two linears run under ``checkpoint`` (``checkpointed``), or called directly."""
+
+    def __init__(self, dim: int = 512) -> None:
+        super().__init__()
+        self.up = torch.nn.Linear(dim, 2 * dim, device="cuda", dtype=DTYPE)
+        self.down = torch.nn.Linear(2 * dim, dim, device="cuda", dtype=DTYPE)
+        self.checkpointed = True
+
+    def mlp(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.relu(self.up(x)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return checkpoint(self.mlp, x, use_reentrant=False) if self.checkpointed else self.mlp(x)
+
+
+def test_a_checkpointed_function_without_gradients_runs_its_linears_in_fp8(dynamo_reset_after):
+    """Under ``torch.no_grad()``, through ``te_v2_executor.thunderfx``, the checkpointed function is
+    called inline: both linears run in te_v2's FP8 forward on TE, without a warning, and the
+    output equals the same model's without the checkpoint, bitwise. Thunder alone would keep the
+    call whole and run them in BF16."""
+    import transformer_engine.pytorch as te
+
+    model, x = _CheckpointedMLP(), torch.randn(256, 512, device="cuda", dtype=DTYPE)
+    outputs = []
+    for checkpointed in (True, False):
+        torch._dynamo.reset()
+        model.checkpointed = checkpointed
+        compiled = thunderfx(model, executors=executors(make_te_v2(claim=CLAIM_ALL)))
+        with warnings.catch_warnings(), torch.no_grad(), te.autocast(enabled=True, recipe=delayed_recipe()):
+            warnings.simplefilter("error", TEv2FallbackWarning)
+            outputs.append(compiled(x))
+        fns = compiled._backend.subgraph_infos[-1].thunder_compiled_fns
+        forwards = [b for fn in fns for b in thunder.last_traces(fn)[-1].bound_symbols if b.sym is LINEAR_FWD]
+        assert len(forwards) == 2
+        assert compiled._backend.inlined_checkpoints == int(checkpointed)
+    assert torch.equal(*outputs)
