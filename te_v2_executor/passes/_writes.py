@@ -434,18 +434,24 @@ class Writes:
         result in its backward, so there the values were taken where it was made). Thunder
         renames only the views it knows of after a write, so the
         forward reads the others after it under their old names (``v = F.dropout(x, p=0.0);
-        x.add_(v); linear(v)``), and their backward reads what those reads read."""
+        x.add_(v); linear(v)``), and their backward reads what those reads read. A read of ``p``
+        through ``te_v2_ordered`` (``write_order``), which stands for ``p`` waiting for a write,
+        is a read of ``p``."""
         made = self._defined.get(p.name, -1)
         read_by_its_maker = made < 0 or self.bound_symbols[made].sym.name not in _VALUE_FREE_DERIVATIVES
         if p.name not in self._over_input and p.name not in self._inputs and read_by_its_maker:
             return made
+        names = {p.name}
         for i in range(made + 1, len(self.bound_symbols)):
             bsym = self.bound_symbols[i]
-            if (
+            args = _tensors(bsym.flat_args)
+            if bsym.sym is ORDERED and args and args[0].name in names:
+                names.update(o.name for o in _tensors(bsym.flat_outs))
+            elif (
                 not in_backward(bsym)
                 and reads_values(bsym)
                 and bsym.sym.name not in _VALUE_FREE_DERIVATIVES
-                and any(a.name == p.name for a in _tensors(bsym.flat_args))
+                and any(a.name in names for a in args)
             ):
                 return i
         return len(self.bound_symbols)

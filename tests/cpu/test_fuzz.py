@@ -12,6 +12,7 @@ its input.
 from __future__ import annotations
 
 import contextlib
+from dataclasses import replace
 
 import pytest
 import thunder
@@ -84,6 +85,19 @@ def test_the_graphs_check_finds_a_replay_that_differs(monkeypatch):
     )
     verdict = check(program, graphs=True)
     assert verdict.status == "fail" and "without CUDA graphs" in verdict.kind, verdict
+
+
+@pytest.mark.parametrize(("index", "status"), [(24, "ok"), (155, "eager_raised_both")])
+def test_a_program_whose_eager_backward_reads_a_written_saved_tensor_is_judged(index, status):
+    """Eager's backward raises on a tensor it saved and the program then wrote in place; te_v2 must
+    raise too or give the gradients of eager with its saved tensors copied when saved. Seed
+    20261224's program 24 does (te_v2's FP8 copies are taken before the write: the emulation's
+    gradients, bitwise); program 155's read through ``te_v2_ordered`` of an input written after it
+    gave a weight gradient negated, silently, where te_v2 now raises (``Writes._taken``)."""
+    verdict = check(replace(generate(20261224, index, Weights()), fusing=FUSINGS["none"]))
+    assert verdict.status == status, verdict
+    assert "modified by an inplace operation" in verdict.eager_error
+    assert status != "ok" or verdict.errors["emulation"] == 0.0
 
 
 def test_thunders_own_gradient_rounding_is_not_held_to_bitwise():

@@ -925,6 +925,38 @@ def test_a_read_through_an_alias_after_a_write_trains_as_eager():
     assert_like_eager(model, torch.randn(8, 32), [make_te_v2(backend="reference")], grad=True, **TOLS)
 
 
+class _ReadThroughAnAliasBetweenWrites(nn.Module):
+    """Fuzz ``--fuser thunderfx --seed 20261224`` program 155, shrunk: ``v`` is the input itself
+    (``F.dropout(x, p=0.0)``); the input is copied over, a linear reads ``v``, and the input is
+    written again."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(32, 32).requires_grad_(False)
+        self.b = nn.Linear(32, 32, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        v = nn.functional.dropout(x, p=0.0)
+        x.copy_(h)
+        y = self.b(v)
+        x.mul_(-1.0)
+        return y
+
+
+def test_a_read_through_an_alias_between_writes_refuses_the_backward():
+    """b's wgrad needs ``v`` as b read it, after the copy, which ``x.mul_(-1)`` then negated:
+    eager raises. The linear reads ``v`` through ``te_v2_ordered`` (it waits for the copy), and
+    that read was not taken for the forward's first read of ``v``, so b's weight gradient came out
+    negated, silently, as Thunder alone computes it."""
+    model = _ReadThroughAnAliasBetweenWrites()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        model(torch.randn(8, 32)).sum().backward()
+    y = thunder.jit(model, executors=[make_te_v2(backend="reference")])(torch.randn(8, 32))
+    with pytest.raises(RuntimeError, match=r"te_v2: tensor t\d+ .* modified by an in-place operation"):
+        y.sum().backward()
+
+
 def test_a_read_through_an_alias_before_a_write_refuses_the_backward():
     """b's wgrad needs ``v`` as b read it, which ``h.mul_(2)`` then overwrote: eager raises."""
     model, x = _ReadThroughAnAliasAroundAWrite("before"), torch.randn(8, 32)

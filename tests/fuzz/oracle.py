@@ -23,8 +23,12 @@ write into it) and every gradient; the None-ness of each gradient must match eag
 - te_v2 against eager float32, where an FP8 linear ran: at most ``FP8_RTOL`` (FP8's error over
   a few linears, measured up to 0.12, with delayed scaling too; a misrouted or lost gradient is
   ~1). Without one, eager is the emulation and the check above covers it.
-- Eager raising (e.g. on an in-place write into a tensor autograd saved) is recorded, not failed:
-  te_v2 should raise too, and a te_v2 that returns is counted as ``eager_raised_te_v2_silent``.
+- Where eager's backward raises because a tensor it saved was written in place after the save,
+  eager and the emulation run again with every saved tensor copied when saved
+  (``_SNAPSHOT_SAVED``): the gradients of the forward as it computed. te_v2 either raises too
+  (``stale_reads``), or its gradients are judged against those, as any program's are.
+- Eager raising otherwise is recorded, not failed: te_v2 should raise too, and a te_v2 that
+  returns is counted as ``eager_raised_te_v2_silent``.
 - ``delayed``: te_v2 with delayed scaling (stateful) for ``DELAYED_STEPS`` steps on one model
   against eager, within ``FP8_RTOL`` (without FP8 linears, the bound against the emulation).
 - ``graphs``: te_v2 under ``TEv2CUDAGraphTransform`` for ``DELAYED_STEPS`` delayed-scaling steps,
@@ -41,6 +45,7 @@ so is te_v2's refusal (its own error) of a program that Thunder without te_v2 ge
 from __future__ import annotations
 
 import collections
+import contextlib
 import math
 import traceback
 import warnings
@@ -70,6 +75,7 @@ ATTRIBUTION_RTOL = 1e-3
 DELAYED_STEPS = 3
 _DELAYED = delayed_scaling(amax_history_len=4)
 _TINY = 1e-30
+_WRITTEN_AFTER_SAVE = "needed for gradient computation has been modified by an inplace operation"
 
 
 @dataclass
@@ -147,15 +153,28 @@ def _one_step(program: Program, model: torch.nn.Module, fn: Callable[..., Any], 
     return run
 
 
-def execute(program: Program, how: str, *, recipe: RecipeSpec | None = None, steps: int = 1) -> list[Run]:
+def execute(
+    program: Program,
+    how: str,
+    *,
+    recipe: RecipeSpec | None = None,
+    steps: int = 1,
+    snapshot_saved: bool = False,
+) -> list[Run]:
     """Run ``program`` ``steps`` times: "eager", "emulation", "te_v2", "te_v2 graphed" (under
     ``TEv2CUDAGraphTransform``, captured by a tape) or "thunder" (Thunder without te_v2, fused as
-    te_v2's run is, to tell a Thunder bug from te_v2's)."""
+    te_v2's run is, to tell a Thunder bug from te_v2's). With ``snapshot_saved``, autograd saves a
+    copy of each tensor it saves for the backward, as it is when saved (``_SNAPSHOT_SAVED``)."""
     recipe = recipe or current_scaling()
     claim = ClaimPolicy(min_features=program.min_features)
     ns = program.namespace()
     graphed = how == "te_v2 graphed"
-    with warnings.catch_warnings(), mock.patch.object(CUDAGraphRunner, "build_cuda_graph", capture_taped):
+    snapshots = _SNAPSHOT_SAVED if snapshot_saved else contextlib.nullcontext
+    with (
+        warnings.catch_warnings(),
+        mock.patch.object(CUDAGraphRunner, "build_cuda_graph", capture_taped),
+        snapshots(),
+    ):
         warnings.simplefilter("ignore")
         model = ns["make_model"]()
         fn: Callable[..., Any] = model
@@ -181,6 +200,15 @@ def execute(program: Program, how: str, *, recipe: RecipeSpec | None = None, ste
             if run.error:
                 break
     return runs
+
+
+def _SNAPSHOT_SAVED() -> torch.autograd.graph.saved_tensors_hooks:
+    """Autograd's saved tensors copied when saved: a backward then reads each as the forward saved
+    it, where eager's raises on a tensor written in place after the save. The emulation's FP8
+    copies (tensor subclasses), which the program cannot write, are kept as they are."""
+    return torch.autograd.graph.saved_tensors_hooks(
+        lambda t: t.clone() if type(t) is torch.Tensor else t, lambda t: t
+    )
 
 
 def _eager_regions(fn: Any) -> int:
@@ -255,11 +283,14 @@ def check(program: Program, *, delayed: bool = False, graphs: bool = False) -> V
     module docstring's checks too), and judge te_v2; a failure that Thunder shows without te_v2
     too is Thunder's (status "thunder")."""
     (eager,) = execute(program, "eager")
+    snapshot = _saved_tensor_written(eager)
+    if snapshot:
+        raised, (eager,) = eager, execute(program, "eager", snapshot_saved=True)
     if eager.error:
         (te,) = execute(program, "te_v2")
         status = "eager_raised_both" if te.error else "eager_raised_te_v2_silent"
         return Verdict(status, eager_error=eager.error)
-    (emu,) = execute(program, "emulation")
+    (emu,) = execute(program, "emulation", snapshot_saved=snapshot)
     if emu.error:
         return Verdict("fail", "emulation raised", [f"the emulation raised, eager did not: {emu.error}"])
     none_ness: list[str] = []
@@ -267,7 +298,11 @@ def check(program: Program, *, delayed: bool = False, graphs: bool = False) -> V
     if none_ness:
         return Verdict("fail", "emulation differs from eager", none_ness)
     (te,) = execute(program, "te_v2")
+    if snapshot and te.error:
+        return Verdict("eager_raised_both", eager_error=raised.error)
     verdict = Verdict("ok", routes=frozenset(emu.routes))
+    if snapshot:
+        verdict.eager_error = raised.error
     if te.error:
         verdict.status, verdict.kind = "fail", f"te_v2 raised ({te.error_at})"
         verdict.problems.append(f"te_v2 raised, eager did not: {te.error}")
@@ -304,11 +339,16 @@ def check(program: Program, *, delayed: bool = False, graphs: bool = False) -> V
     if delayed or graphs:
         stateful = execute(program, "te_v2", recipe=_DELAYED, steps=DELAYED_STEPS)
     if delayed or (graphs and stateful[-1].error):  # the graphs check alone reports its raise too
-        _check_delayed(program, verdict, stateful)
+        _check_delayed(program, verdict, stateful, snapshot)
     if graphs and not verdict.failed:
         graphed = execute(program, "te_v2 graphed", recipe=_DELAYED, steps=DELAYED_STEPS)
         _check_steps(verdict, stateful, graphed, "under CUDA graphs", "itself without CUDA graphs", None)
     return verdict
+
+
+def _saved_tensor_written(eager: Run) -> bool:
+    """Whether eager's backward raised because a tensor it saved was written in place after."""
+    return eager.error_at.startswith("backward") and _WRITTEN_AFTER_SAVE in (eager.error or "")
 
 
 def _mismatch(against: str, problems: list[str]) -> str:
@@ -377,9 +417,10 @@ def _refusal_of_thunders(program: Program, te: Run) -> bool:
     return False
 
 
-def _check_delayed(program: Program, verdict: Verdict, te: list[Run]) -> None:
-    """Fail ``verdict`` if te_v2 with delayed scaling (``te``, a few steps) strays from eager."""
-    eager = execute(program, "eager", steps=DELAYED_STEPS)
+def _check_delayed(program: Program, verdict: Verdict, te: list[Run], snapshot: bool) -> None:
+    """Fail ``verdict`` if te_v2 with delayed scaling (``te``, a few steps) strays from eager (its
+    saved tensors copied when saved, with ``snapshot``)."""
+    eager = execute(program, "eager", steps=DELAYED_STEPS, snapshot_saved=snapshot)
     bound = (
         FP8_RTOL if verdict.fp8 else tolerance(program, verdict.routes)
     )  # without FP8, eager is the emulation
