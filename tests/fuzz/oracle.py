@@ -25,8 +25,8 @@ write into it) and every gradient; the None-ness of each gradient must match eag
   ~1). Without one, eager is the emulation and the check above covers it.
 - Where eager's backward raises because a tensor it saved was written in place after the save,
   eager and the emulation run again with every saved tensor copied when saved
-  (``_SNAPSHOT_SAVED``): the gradients of the forward as it computed. te_v2 either raises too
-  (``stale_reads``), or its gradients are judged against those, as any program's are.
+  (``_snapshot_saved_tensors``): the gradients of the forward as it computed. te_v2 either
+  raises too (``stale_reads``), or its gradients are judged against those, as any program's are.
 - Eager raising otherwise is recorded, not failed: te_v2 should raise too, and a te_v2 that
   returns is counted as ``eager_raised_te_v2_silent``.
 - ``delayed``: te_v2 with delayed scaling (stateful) for ``DELAYED_STEPS`` steps on one model
@@ -164,16 +164,16 @@ def execute(
     """Run ``program`` ``steps`` times: "eager", "emulation", "te_v2", "te_v2 graphed" (under
     ``TEv2CUDAGraphTransform``, captured by a tape) or "thunder" (Thunder without te_v2, fused as
     te_v2's run is, to tell a Thunder bug from te_v2's). With ``snapshot_saved``, autograd saves a
-    copy of each tensor it saves for the backward, as it is when saved (``_SNAPSHOT_SAVED``)."""
+    copy of each tensor it saves for the backward, as it is when saved
+    (``_snapshot_saved_tensors``)."""
     recipe = recipe or current_scaling()
     claim = ClaimPolicy(min_features=program.min_features)
     ns = program.namespace()
     graphed = how == "te_v2 graphed"
-    snapshots = _SNAPSHOT_SAVED if snapshot_saved else contextlib.nullcontext
     with (
         warnings.catch_warnings(),
         mock.patch.object(CUDAGraphRunner, "build_cuda_graph", capture_taped),
-        snapshots(),
+        _snapshot_saved_tensors() if snapshot_saved else contextlib.nullcontext(),
     ):
         warnings.simplefilter("ignore")
         model = ns["make_model"]()
@@ -202,7 +202,7 @@ def execute(
     return runs
 
 
-def _SNAPSHOT_SAVED() -> torch.autograd.graph.saved_tensors_hooks:
+def _snapshot_saved_tensors() -> torch.autograd.graph.saved_tensors_hooks:
     """Autograd's saved tensors copied when saved: a backward then reads each as the forward saved
     it, where eager's raises on a tensor written in place after the save. The emulation's FP8
     copies (tensor subclasses), which the program cannot write, are kept as they are."""
