@@ -20,7 +20,7 @@ test: ## the whole suite: CPU tests run, GPU tests are collected and skipped wit
 test-gpu: ## the GPU suite (needs CUDA and TransformerEngine); prints kernel counts and saved bytes
 	$(PY) -m pytest -q -rA -s -m gpu tests/gpu
 
-test-distributed: ## the 2-GPU suite: torchrun, DDP / FSDP / torch DDP / FSDP2 around thunderfx, amax all-reduce and GEMM counts (needs 2 GPUs with TE)
+test-distributed: ## the 2-GPU suite: torchrun, DDP / FSDP / torch DDP / FSDP2 around thunderfx, amax all-reduce and GEMM counts (needs 2 GPUs with TE; on one GPU, one NCCL rank)
 	$(PY) -m pytest -q -rA -s -m distributed tests/distributed
 
 fuzz: ## differential fuzzing for 10 minutes: random programs through te_v2 vs eager and its kernels' eager emulation; prints each failure as a shrunk standalone script

@@ -145,10 +145,15 @@ def kernel_names(step: Callable[[], None]) -> list[str]:
     return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
 
 
+def gemms(names: list[str]) -> list[str]:
+    """The kernels of ``names`` that are GEMMs (cuBLAS, cuBLASLt's nvjet, CUTLASS), fused
+    attention kernels left out."""
+    return [n for n in names if GEMM_KERNEL.search(n) and not ATTENTION_KERNEL.search(n)]
+
+
 def gemm_count(names: list[str]) -> int:
-    """How many of the kernels ``names`` are GEMMs (cuBLAS, cuBLASLt's nvjet, CUTLASS), fused
-    attention kernels not counted."""
-    return sum(bool(GEMM_KERNEL.search(n)) and not ATTENTION_KERNEL.search(n) for n in names)
+    """How many of the kernels ``names`` are GEMMs (``gemms``)."""
+    return len(gemms(names))
 
 
 def measure(

@@ -17,8 +17,8 @@ tokens a second per GPU, peak memory, and per step, the collectives FSDP2 and th
 (calls and payload bytes, counted at ``torch.distributed``'s functions: an all-gather's gathered
 tensor, a reduce-scatter's input, an all-reduce's tensor) and, on GPUs, the time of NCCL's
 all-gather, reduce-scatter and all-reduce kernels (torch.profiler). te_v2 runs with its weights
-gathered in BF16 and in FP8 (``fp8_all_gather``, an amax all-reduce a weight and forward, where
-torchao's variant precomputes all of them after each backward in one).
+gathered in BF16 and in FP8 (``fp8_all_gather``, one amax all-reduce a gather of a sharded
+module, where torchao's variant precomputes every scale after each backward in one).
 
 On the CPU (``--device cpu``, gloo, te_v2's reference backend, a tiny Llama in float32) the
 worker runs the te_v2 variants only; ``tests/cpu/test_scaling_bench.py`` checks it there.

@@ -5,10 +5,11 @@
 all-gather extension hooks (``fsdp_pre_all_gather`` / ``fsdp_post_all_gather``) call: each rank
 casts its shard to FP8 E4M3 with the scale of the whole weight's amax (at each gather, one
 all-reduce for the amaxes of all the wrapped weights of the FSDP2 module gathered; a backward's
-gather casts for the forward's recipe and dtype, with the amax of the weight as it is then), the
-all-gather moves the FP8 bytes, and the gathered weight is the FP8 values times the scale's
-inverse, in the parameter's dtype (one Triton pass on CUDA: ``backends/gathered_dequantize.py``),
-which is what the compiled function is given.
+gather casts for the forward's recipe and dtype, with the amax of the weight as it is then; one
+Triton pass on CUDA: ``backends/gathered_quantize.py``), the all-gather moves the FP8 bytes, and
+the gathered weight is the FP8 values times the scale's inverse, in the parameter's dtype (one
+Triton pass on CUDA: ``backends/gathered_dequantize.py``), which is what the compiled function is
+given.
 
 Under per-tensor current scaling te_v2's cast of that weight makes exactly the FP8 values
 gathered, with the same scale: the gathered weight's largest values are the amax itself, so te_v2
@@ -43,7 +44,7 @@ import torch.utils._pytree as pytree
 from torch._prims_common import suggest_memory_format
 
 from te_v2_executor import autocast, checks, gathered_weights
-from te_v2_executor.backends import Backend, gathered_dequantize
+from te_v2_executor.backends import Backend, gathered_dequantize, gathered_quantize
 from te_v2_executor.backends.reference import scale_from_amax
 from te_v2_executor.dynamo import EagerRunWarning
 from te_v2_executor.executor import TEv2Executor, te_v2
@@ -180,8 +181,7 @@ class FP8GatheredWeight(torch.Tensor):
         cast = self._cast(mesh, mp_policy)
         fp8_max = cast.recipe.fp8_max(forward=True)
         scale = scale_from_amax(cast.amax, fp8_max, cast.recipe)
-        shard = self._tensor.detach().to(cast.dtype)
-        data = (shard.float() * scale).clamp(-fp8_max, fp8_max).to(FP8_DTYPE).view(torch.uint8)
+        data = gathered_quantize.quantize(self._tensor.detach().to(cast.dtype), scale, fp8_max)
         top = (cast.amax * scale).clamp(max=fp8_max).to(FP8_DTYPE).view(torch.uint8)
         return (data,), (1.0 / scale, cast.amax, top)
 

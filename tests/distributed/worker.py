@@ -3,7 +3,7 @@
     torchrun --nproc_per_node=2 -m tests.distributed.worker --out DIR [--device cpu] SCENARIO...
 
 A scenario is ``<wrapper>-<model>``: wrapper ``thunder_ddp``, ``fsdp_zero2``, ``fsdp_zero3``,
-``torch_ddp`` (torch's DistributedDataParallel around the ``thunder.jit`` module), ``fsdp2``
+``fsdp_nvfuser`` (``fsdp_zero3`` with nvFuser after te_v2, where it is installed), ``torch_ddp`` (torch's DistributedDataParallel around the ``thunder.jit`` module), ``fsdp2``
 (torch's ``fully_shard`` on every layer and the model, compiled by ``thunderfx``, each step inside
 ``quantization_update_scope``: with two layers, one Thunder region each; a third layer would reuse
 the second's region, and its delayed-scaling state, docs/usage.md), ``fsdp2_current`` (``fsdp2``
@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from benchmarks.measure import gemm_count, kernel_names
+from benchmarks.measure import gemms, kernel_names
 from benchmarks.scaling import counted_collectives
 from te_v2_executor import (
     current_scaling,
@@ -57,7 +57,8 @@ from te_v2_executor import (
 )
 from te_v2_executor.compiled import compiled_functions
 from te_v2_executor.fsdp import FP8GatheredWeight, fp8_all_gather
-from tests.helpers import CLAIM_ALL, counted_weight_reads
+from tests.gpu.common import executors_run
+from tests.helpers import CLAIM_ALL, counted_weight_reads, fusers_named
 from tests.models import LoRAStack, Stack, tiny_llama
 
 DIM, TOKENS_PER_RANK, STEPS, LR = 256, 128, 5, 1e-3
@@ -95,6 +96,7 @@ HUGGING_FACE = {"llama", "llamafrozen"}
 
 CHECKPOINT_STEPS = 2  # of STEPS, before ``checkpointed`` saves
 CURRENT = {"fsdp2_current", "fsdp2_fp8"}  # the wrappers that run te_v2 under current scaling
+NVFUSER = {"fsdp_nvfuser"}  # the wrappers that list nvFuser after te_v2
 
 
 class Run:
@@ -135,9 +137,11 @@ class Run:
         dtype = torch.bfloat16 if self.cuda else torch.float32
         return [torch.randn(rows, DIM, generator=gen).to(self.device, dtype) for _ in range(STEPS)]
 
-    def executors(self, builtin: bool = False, *, distributed: bool, current: bool = False) -> dict[str, Any]:
+    def executors(
+        self, builtin: bool = False, *, distributed: bool, current: bool = False, nvfuser: bool = False
+    ) -> dict[str, Any]:
         """``thunder.jit`` arguments; the single-process reference reduces no amax. ``current``:
-        te_v2 pinned to current scaling."""
+        te_v2 pinned to current scaling; ``nvfuser``: nvFuser listed after te_v2."""
         if builtin:
             from thunder.executors.transformer_engineex import (
                 TransformerEngineTransform,
@@ -147,11 +151,8 @@ class Run:
             return {"executors": [transformer_engine_ex], "transforms": [TransformerEngineTransform()]}
         recipe = None if self.cuda else delayed_scaling(amax_history_len=4, reduce_amax=distributed)
         recipe = current_scaling() if current else recipe
-        return {
-            "executors": [
-                make_te_v2(backend="te" if self.cuda else "reference", claim=CLAIM_ALL, recipe=recipe)
-            ]
-        }
+        te_v2 = make_te_v2(backend="te" if self.cuda else "reference", claim=CLAIM_ALL, recipe=recipe)
+        return {"executors": [te_v2, *fusers_named("nvfuser" if nvfuser else "none")]}
 
     @contextlib.contextmanager
     def fp8(self, *, distributed: bool) -> Iterator[None]:
@@ -226,7 +227,7 @@ def wrap(wrapper: str, model: torch.nn.Module, run: Run) -> tuple[Callable, Any,
     if wrapper.startswith("fsdp2"):
         return fully_sharded(model, run, current=wrapper in CURRENT, fp8_gather=wrapper == "fsdp2_fp8")
     builtin = wrapper == "builtin_ddp"
-    jitted = thunder.jit(model, **run.executors(builtin, distributed=True))
+    jitted = thunder.jit(model, **run.executors(builtin, distributed=True, nvfuser=wrapper in NVFUSER))
     if wrapper in ("thunder_ddp", "builtin_ddp"):
         module = tdist.ddp(jitted)
         return module, module, lambda: list(module.parameters())
@@ -297,15 +298,15 @@ def linear_reports(module: Any) -> list[tuple[str, Any]]:
     ]
 
 
-def distributed_step_gemms(fn: Callable, x: torch.Tensor, run: Run) -> int:
-    """GEMM kernels one distributed forward+backward step launches on this rank."""
+def distributed_step_gemms(fn: Callable, x: torch.Tensor, run: Run) -> list[str]:
+    """The GEMM kernels one distributed forward+backward step launches on this rank."""
 
     def step() -> None:
         with run.fp8(distributed=True):
             loss = fn(x).float().square().mean()
         loss.backward()
 
-    return gemm_count(kernel_names(step))
+    return gemms(kernel_names(step))
 
 
 def quant_state(module: Any) -> dict[str, Any]:
@@ -335,7 +336,10 @@ def scenario(name: str, run: Run, out: Path) -> None:
 
     if wrapper != "builtin_ddp":
         reference = run.model(kind)
-        executors = run.executors(distributed=False, current=wrapper in CURRENT)
+        result["initial_weights"] = {
+            n: p.detach().cpu().clone() for n, p in reference.named_parameters() if p.requires_grad
+        }
+        executors = run.executors(distributed=False, current=wrapper in CURRENT, nvfuser=wrapper in NVFUSER)
         if kind in HUGGING_FACE:
             from thunder.dynamo import thunderfx
 
@@ -373,6 +377,9 @@ def scenario(name: str, run: Run, out: Path) -> None:
         result["quant_state"] = quant_state(module)
         result["report"] = [(name, r.claimed, r.dgrad, r.wgrad) for name, r in linear_reports(module)]
         result["report_text"] = str(explain(module))
+    if not sharded:
+        traces = [thunder.last_traces(module)[-1], thunder.last_backward_traces(module)[-1]]
+        result["executors_run"] = executors_run(traces)
     if run.cuda:
         result["gemm_kernels"] = distributed_step_gemms(fn, batches[0][mine], run)
     torch.save(result, out / f"{name}.rank{run.rank}.pt")

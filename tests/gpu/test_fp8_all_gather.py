@@ -4,8 +4,9 @@ On the CPU (``tests/cpu/test_fp8_all_gather.py``, ``tests/distributed``) nothing
 concurrently. On a GPU, FSDP2 casts each layer's shard on its all-gather copy-in stream while
 the compute stream still runs the previous layer, so what the hooks pass between the two
 streams must not be reused early: the weight each eagerly run linear reads is checked against
-its own gathered FP8 values, and a Hugging Face Llama sharded per decoder layer on one rank
-trains five steps bitwise as with a BF16 all-gather.
+its own gathered FP8 values. A Hugging Face Llama sharded per decoder layer trains five steps
+bitwise as with a BF16 all-gather in ``tests/distributed`` (on one NCCL rank where the machine has
+one GPU).
 """
 
 from __future__ import annotations
@@ -15,22 +16,10 @@ import warnings
 import pytest
 import torch
 
-from tests.distributed.launch import assert_fp8_gather_is_bitwise, rank_results, torchrun
 from tests.gpu.common import requires_te_gpu
 from tests.helpers import file_store_process_group
 
 pytestmark = requires_te_gpu
-
-
-def test_an_fp8_all_gather_trains_bitwise_as_a_bf16_one_on_a_gpu(tmp_path):
-    scenarios = ("fsdp2_current-llama", "fsdp2_fp8-llama")
-    launch = torchrun(tmp_path, "cuda", *scenarios, ranks=1)
-    if launch.returncode != 0:
-        pytest.fail(f"torchrun failed:\n{launch.stdout[-4000:]}\n{launch.stderr[-8000:]}")
-    bf16, fp8 = (rank_results(tmp_path, s, 1) for s in scenarios)
-    for r in (*bf16, *fp8):
-        assert "error" not in r, r.get("error")
-    assert_fp8_gather_is_bitwise(bf16, fp8)
 
 
 @pytest.fixture
@@ -129,3 +118,29 @@ def test_the_gathered_weight_is_made_in_one_kernel_as_pytorchs_ops_make_it(dtype
     gathered_dequantize.dequantize_in_torch(data, scale_inv_t, amax, top_t, out=ops)
     assert torch.equal(kernel.view(torch.uint8), ops.view(torch.uint8))
     assert (kernel == amax.to(dtype)).any() and (kernel == -amax.to(dtype)).any()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("shape", [(2048, 1024), (257, 48)])
+@pytest.mark.parametrize("scale", [448 / 3.7, 2.0**7, 448 / 1e-4])
+def test_a_shard_is_cast_in_one_kernel_as_pytorchs_ops_cast_it(dtype, shape, scale):
+    """The pre-all-gather hook's Triton kernel writes, to the bit, what its PyTorch ops write:
+    random values over the format's range, the values half-way between neighbouring FP8 values
+    (exactly so where the scale is a power of 2: ties round to even), and values beyond the
+    amax, clamped to the largest FP8 value in both signs."""
+    from te_v2_executor.backends import gathered_quantize
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    shard = torch.randn(shape, generator=g, device="cuda") * (448 / scale / 3)
+    codes = torch.arange(0x7F, dtype=torch.uint8, device="cuda").view(torch.float8_e4m3fn).float()
+    halfway = (codes[:-1] + codes[1:]) / 2 / scale
+    flat = shard.view(-1)
+    flat[: 2 * len(halfway)] = torch.cat([halfway, -halfway])
+    flat[-2:] = torch.tensor([1.5, -1.5], device="cuda") * 448 / scale
+    shard = shard.to(dtype)
+    scale_t = torch.tensor(scale, dtype=torch.float32, device="cuda")
+    kernel = gathered_quantize.quantize(shard, scale_t, 448.0)
+    ops = gathered_quantize.quantize_in_torch(shard, scale_t, 448.0)
+    assert kernel.dtype == torch.uint8 and kernel.shape == shard.shape
+    assert torch.equal(kernel, ops), (kernel != ops).sum()
+    assert {0x7E, 0xFE} <= set(kernel.view(-1)[-2:].tolist())
