@@ -3,11 +3,12 @@
     torchrun --nproc_per_node=2 -m tests.distributed.worker --out DIR [--device cpu] SCENARIO...
 
 A scenario is ``<wrapper>-<model>``: wrapper ``thunder_ddp``, ``fsdp_zero2``, ``fsdp_zero3``,
-``fsdp_nvfuser`` (``fsdp_zero3`` with nvFuser after te_v2, where it is installed), ``torch_ddp`` (torch's DistributedDataParallel around the ``thunder.jit`` module), ``fsdp2``
-(torch's ``fully_shard`` on every layer and the model, compiled by ``thunderfx``, each step inside
-``quantization_update_scope``: with two layers, one Thunder region each; a third layer would reuse
-the second's region, and its delayed-scaling state, docs/usage.md), ``fsdp2_current`` (``fsdp2``
-under current scaling), ``fsdp2_fp8`` (``fsdp2_current`` with te_v2's FP8 all-gather) or
+``fsdp_nvfuser`` (``fsdp_zero3`` with nvFuser after te_v2, where it is installed), ``torch_ddp``
+(torch's DistributedDataParallel around the ``thunder.jit`` module), ``fsdp2`` (torch's
+``fully_shard`` on every layer and the model, compiled by ``thunderfx``, each step inside
+``quantization_update_scope``: with two layers, one Thunder region each; a third layer would
+reuse the second's region, and its delayed-scaling state, docs/usage.md), ``fsdp2_current``
+(``fsdp2`` under current scaling), ``fsdp2_fp8`` (``fsdp2_current`` with te_v2's FP8 all-gather) or
 ``builtin_ddp`` (Thunder's built-in TE executor under ``thunder_ddp``, for contrast); model
 ``full`` (every linear trained), ``lora`` (frozen base, trainable rank-16 adapters), or a
 Hugging Face Llama of two decoder layers mapping token ids to logits, ``llama`` (every linear
