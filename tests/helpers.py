@@ -26,6 +26,13 @@ CLAIM_ALL = ClaimPolicy(min_features=0)
 FUSERS = ("none", "torch.compile", "nvfuser")
 
 
+def nvfuser_installed() -> bool:
+    """Whether Thunder found nvFuser (``thunder.executors.nvfuserex.nvfuserex`` is not None)."""
+    from thunder.executors.nvfuserex import nvfuserex
+
+    return nvfuserex is not None
+
+
 def fusers_named(name: str) -> list:
     """The executors to list after te_v2 for ``name``, one of ``FUSERS``; an nvFuser case skips,
     with the reason, where nvFuser is not installed."""
@@ -37,7 +44,7 @@ def fusers_named(name: str) -> list:
         import pytest
         from thunder.executors.nvfuserex import nvfuserex
 
-        if nvfuserex is None:
+        if not nvfuser_installed():
             pytest.skip(
                 "nvFuser is not installed (its CUDA 13 wheels need torch 2.10; the GPU kit's shim loads it)"
             )

@@ -19,6 +19,7 @@ from te_v2_executor import backends
 from tests.distributed.launch import assert_fp8_gather_is_bitwise, rank_results, torchrun
 from tests.distributed.worker import STEPS
 from tests.gpu.common import FP8_TOLS
+from tests.helpers import nvfuser_installed
 
 WORLD = 2
 WRAPPERS = ("thunder_ddp", "fsdp_zero2", "fsdp_zero3", "torch_ddp", "fsdp2")
@@ -50,12 +51,6 @@ TWO_RANKS = [
     ),
 ]
 DEVICES = [*TWO_RANKS, _cuda(1, "cuda-nccl-te-one-rank", "needs a CUDA GPU with TransformerEngine")]
-
-
-def _nvfuser_installed() -> bool:
-    from thunder.executors.nvfuserex import nvfuserex
-
-    return nvfuserex is not None
 
 
 # GEMMs one step needs (x needs no grad): full, 3 linears: 3 forward, 3 wgrad, 2 dgrad; LoRA,
@@ -90,7 +85,7 @@ class Results:
             self.not_run["builtin_ddp-full"] = (
                 "Thunder's built-in TE executor needs CUDA, and reduces amaxes over several ranks only"
             )
-        if device != "cuda" or not _nvfuser_installed():
+        if device != "cuda" or not nvfuser_installed():
             why = "nvFuser is not installed" if device == "cuda" else "nvFuser runs on CUDA only"
             self.not_run.update(dict.fromkeys(NVFUSER_SCENARIOS, why))
         checkpointed = [f"fsdp2_checkpoint-{k}" for k in KINDS]
