@@ -167,11 +167,9 @@ class FP8GatheredWeight(torch.Tensor):
         if not (backward and self._forward is not None):
             dtype = getattr(mp_policy, "param_dtype", None) or self._tensor.dtype
             self._forward = (self._forward_recipe(), dtype)
-        recipe, dtype = self._forward
         if self._batch is None:
             self._batch = _AmaxBatch.of_group_holding(self)
-        amax = self._batch.reduced_amax(self, mesh.get_group())
-        return _Cast(recipe, dtype, amax.to(dtype).float())
+        return self._batch.cast(self, *self._forward, mesh.get_group())
 
     def fsdp_pre_all_gather(
         self, mesh: Any, outer_size: Any, outer_stride: Any, module: Any, mp_policy: Any
@@ -180,10 +178,8 @@ class FP8GatheredWeight(torch.Tensor):
         the amax and the FP8 code the amax casts to."""
         cast = self._cast(mesh, mp_policy)
         fp8_max = cast.recipe.fp8_max(forward=True)
-        scale = scale_from_amax(cast.amax, fp8_max, cast.recipe)
-        data = gathered_quantize.quantize(self._tensor.detach().to(cast.dtype), scale, fp8_max)
-        top = (cast.amax * scale).clamp(max=fp8_max).to(FP8_DTYPE).view(torch.uint8)
-        return (data,), (1.0 / scale, cast.amax, top)
+        data = gathered_quantize.quantize(self._tensor.detach().to(cast.dtype), cast.scale, fp8_max)
+        return (data,), (cast.scale_inv, cast.amax, cast.top)
 
     def fsdp_post_all_gather(
         self,
@@ -223,13 +219,40 @@ def _read_on_current_stream(*tensors: torch.Tensor) -> None:
             t.record_stream(torch.cuda.current_stream(t.device))
 
 
+_SCALE_INV_ROW = 256  # bytes: a CUDA allocation's alignment, and so every row's
+
+
 @dataclasses.dataclass(frozen=True)
 class _Cast:
-    """How a gather casts a weight: for ``recipe``, in ``dtype``, with its whole ``amax``."""
+    """How a gather casts weights: for ``recipe``, in ``dtype``, with each whole weight's
+    ``amax`` (in that dtype, as float32), the ``scale`` it makes, the scale's inverse and the
+    amax's FP8 code; one element a shard of a group, or one shard's own (``at``)."""
 
     recipe: RecipeSpec
     dtype: torch.dtype
     amax: torch.Tensor
+    scale: torch.Tensor
+    scale_inv: torch.Tensor
+    top: torch.Tensor
+
+    @classmethod
+    def of(cls, amaxes: torch.Tensor, recipe: RecipeSpec, dtype: torch.dtype) -> _Cast:
+        """The casts of the weights whose reduced amaxes are ``amaxes``. Each scale's inverse
+        starts a row of ``_SCALE_INV_ROW`` bytes of its own: TE's GEMMs hand it to cuBLAS as a
+        scale pointer, and with the inverses 4 bytes apart the GEMM of every weight but a
+        group's first failed as not supported on an H100."""
+        amax = amaxes.to(dtype).float()
+        fp8_max = recipe.fp8_max(forward=True)
+        scale = scale_from_amax(amax, fp8_max, recipe)
+        top = (amax * scale).clamp(max=fp8_max).to(FP8_DTYPE).view(torch.uint8)
+        rows = torch.empty(len(scale), _SCALE_INV_ROW // 4, dtype=torch.float32, device=scale.device)
+        scale_inv = torch.reciprocal(scale, out=rows[:, 0])  # 1.0 / scale, as PyTorch computes it
+        return cls(recipe, dtype, amax, scale, scale_inv, top)
+
+    def at(self, index: int) -> _Cast:
+        """The cast of the ``index``-th shard."""
+        tensors = (self.amax, self.scale, self.scale_inv, self.top)
+        return _Cast(self.recipe, self.dtype, *(t[index] for t in tensors))
 
 
 # the models whose weights fp8_all_gather wrapped, whose FSDP2 groups a first gather checks
@@ -289,7 +312,9 @@ class _AmaxBatch:
 
     shards: list[FP8GatheredWeight]
     fsdp_group: Any = None  # FSDP2's parameter group, None where it was not found
-    reduced: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)  # by id, until taken
+    amaxes: torch.Tensor | None = None  # this gather's, all-reduced, one a shard
+    untaken: dict[int, int] = dataclasses.field(default_factory=dict)  # shard's index, by id
+    casts: dict[tuple[RecipeSpec, torch.dtype], _Cast] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def of_group_holding(cls, shard: FP8GatheredWeight) -> _AmaxBatch:
@@ -306,13 +331,20 @@ class _AmaxBatch:
             member._batch = batch
         return batch
 
-    def reduced_amax(self, shard: FP8GatheredWeight, group: Any) -> torch.Tensor:
-        """The amax of the whole weight ``shard`` is a part of, over the ranks of ``group``."""
-        if shard is self.shards[0] or id(shard) not in self.reduced:
-            amaxes = torch.stack([s._tensor.detach().abs().amax().float() for s in self.shards])
+    def cast(self, shard: FP8GatheredWeight, recipe: RecipeSpec, dtype: torch.dtype, group: Any) -> _Cast:
+        """How ``shard`` casts for ``recipe`` in ``dtype``, with the amax of the whole weight it
+        is a part of over the ranks of ``group``; the scales are made for all the shards at once,
+        at the first that casts for this recipe and dtype in this gather."""
+        if shard is self.shards[0] or id(shard) not in self.untaken:
+            tensors = [s._tensor.detach() for s in self.shards]
+            amaxes = torch.stack(torch._foreach_norm(tensors, float("inf"))).float()
             torch.distributed.all_reduce(amaxes, op=torch.distributed.ReduceOp.MAX, group=group)
-            self.reduced = {id(s): amax for s, amax in zip(self.shards, amaxes.unbind(), strict=True)}
-        return self.reduced.pop(id(shard))
+            self.amaxes, self.casts = amaxes, {}
+            self.untaken = {id(s): i for i, s in enumerate(self.shards)}
+        casts = self.casts.get((recipe, dtype))
+        if casts is None:
+            casts = self.casts[recipe, dtype] = _Cast.of(self.amaxes, recipe, dtype)
+        return casts.at(self.untaken.pop(id(shard)))
 
 
 def _freed_when_this_pass_ends(group: Any) -> bool:

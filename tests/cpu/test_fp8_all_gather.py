@@ -482,3 +482,21 @@ def test_torch_autocast_is_refused_with_the_fix():
     refusal = r"does not run under torch.autocast.*MixedPrecisionPolicy"
     with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(ValueError, match=refusal):
         fn(input_ids=torch.zeros(2, SEQUENCE, dtype=torch.long), use_cache=False)
+
+
+def test_each_gathered_weights_scale_inverse_starts_storage_of_its_own(monkeypatch):
+    """The scales' inverses te_v2's GEMMs read with the gathered bytes, made for a whole FSDP2
+    group at once, each start 256 bytes of their own: TE hands them to cuBLAS as scale pointers,
+    and 4 bytes apart the GEMM of a group's second weight failed on an H100."""
+    recorded, record = [], gathered_weights.record
+
+    def recording(weight, fp8, recipe):
+        recorded.append(fp8.scale_inv)
+        return record(weight, fp8, recipe)
+
+    monkeypatch.setattr(gathered_weights, "record", recording)
+    model, fn, wrapped = _sharded(fp8=True)
+    _train(model, fn)
+    assert len(recorded) > len(wrapped)
+    assert all(t.storage_offset() * t.element_size() % 256 == 0 for t in recorded)
+    assert len({t.data_ptr() for t in recorded[: len(wrapped) - 1]}) == len(wrapped) - 1
